@@ -1,0 +1,20 @@
+"""Inference: the SVI loop, its ELBO estimators, the method registry and ``fit``."""
+
+from . import builtin  # noqa: F401  (registers the built-in methods)
+from .elbo import DirectELBO, PyroELBO, make_elbo
+from .registry import Method, fit, get_method, methods, register_method, register_svi_method
+from .svi import LoopSettings, run_svi
+
+__all__ = [
+    "DirectELBO",
+    "LoopSettings",
+    "Method",
+    "PyroELBO",
+    "fit",
+    "get_method",
+    "make_elbo",
+    "methods",
+    "register_method",
+    "register_svi_method",
+    "run_svi",
+]

@@ -1,0 +1,201 @@
+r"""One registry of inference methods, and :func:`fit`, the single entry point.
+
+A method is a name, a dict of options with their defaults, and a ``run`` function
+``run(model, x, y, options, progress) -> Posterior``.  :func:`fit` validates the data and the
+options against the registry *before* any work, seeds, moves the model to the device, and calls
+``run``.  The comparison runner only ever calls :func:`fit`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import pyro
+import torch
+
+from .._validation import check_data, resolve_device
+from ..posterior import Posterior
+from .svi import LoopSettings, run_svi
+
+__all__ = ["COMMON_OPTIONS", "Method", "fit", "get_method", "methods", "register_method", "register_svi_method"]
+
+#: Options every method takes, handled by :func:`fit` itself.
+COMMON_OPTIONS = ("seed", "device", "progress")
+
+
+@dataclass(frozen=True)
+class Method:
+    """A registered inference method.
+
+    Attributes
+    ----------
+    name : str
+        Registry key.
+    options : Mapping[str, Any]
+        Every option the method takes, with its default.
+    run : callable
+        ``run(model, x, y, options, progress) -> Posterior``; ``options`` is complete.
+    summary : str
+        One line shown by ``pyrobdl methods``.
+    check_model : callable or None
+        ``check_model(model, options)`` raising ValueError when the method cannot run on the
+        model (e.g. an improper prior for MAP or MCMC).
+    """
+
+    name: str
+    options: Mapping[str, Any]
+    run: Callable[..., Posterior]
+    summary: str = ""
+    check_model: Callable[[Any, Mapping[str, Any]], None] | None = None
+
+
+_REGISTRY: dict[str, Method] = {}
+
+
+def register_method(method: Method) -> Method:
+    """Add ``method`` to the registry (an existing name is replaced) and return it."""
+    _REGISTRY[method.name] = method
+    return method
+
+
+def methods() -> list[str]:
+    """Sorted names of the registered methods."""
+    return sorted(_REGISTRY)
+
+
+def get_method(name: str) -> Method:
+    """Look a method up by name.
+
+    Raises
+    ------
+    ValueError
+        For an unknown name; the message lists the valid ones.
+    """
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown method {name!r}; valid methods: {methods()}")
+    return _REGISTRY[name]
+
+
+def require_proper_prior(model: Any, options: Mapping[str, Any]) -> None:
+    """``check_model`` for methods that need a normalisable prior (MAP, MCMC)."""
+    if not getattr(model.prior, "proper", True):
+        valid = [m for m, meth in sorted(_REGISTRY.items()) if meth.check_model is None]
+        raise ValueError(
+            f"the prior {model.prior!r} is improper, so this method's objective or target is not a "
+            f"distribution; use a guide that defines a KL to it, one of {valid}"
+        )
+
+
+_LOOP_FIELDS = tuple(f.name for f in dataclasses.fields(LoopSettings))
+
+
+def register_svi_method(
+    name: str,
+    guide_factory: Callable[..., Any],
+    guide_options: Mapping[str, Any],
+    *,
+    summary: str = "",
+    loop_defaults: Mapping[str, Any] | None = None,
+    check_model: Callable[[Any, Mapping[str, Any]], None] | None = None,
+) -> Method:
+    """Register an SVI method: a guide factory plus the shared loop.
+
+    Parameters
+    ----------
+    name : str
+        Registry key.
+    guide_factory : callable
+        ``guide_factory(model, **guide_options) -> BNNGuide``.
+    guide_options : Mapping
+        The guide's options with defaults.
+    summary : str
+        One-line description.
+    loop_defaults : Mapping, optional
+        Method-specific defaults of :class:`~pyrobdl.inference.svi.LoopSettings` fields.
+    check_model : callable, optional
+        See :class:`Method`.
+    """
+    loop = dataclasses.asdict(LoopSettings())
+    loop.update(loop_defaults or {})
+    clash = set(loop) & set(guide_options)
+    if clash:
+        raise ValueError(f"guide options {sorted(clash)} clash with loop options")
+
+    def run(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str, Any], progress: bool) -> Posterior:
+        settings = LoopSettings(**{k: options[k] for k in _LOOP_FIELDS})
+        settings.validate(x.shape[0])
+        guide = guide_factory(model, **{k: options[k] for k in guide_options}).to(x.device)
+        return run_svi(model, guide, x, y, settings, method=name, all_settings=dict(options), progress=progress)
+
+    return register_method(Method(name, {**loop, **guide_options}, run, summary, check_model))
+
+
+def fit(
+    model: Any,
+    x: Any,
+    y: Any,
+    method: str = "mean_field",
+    *,
+    seed: int = 0,
+    device: str | torch.device | None = None,
+    progress: bool = True,
+    **options: Any,
+) -> Posterior:
+    """Approximate the posterior of ``model`` given ``(x, y)`` with a registered method.
+
+    Parameters
+    ----------
+    model : pyrobdl.BayesianMLP
+        The model.
+    x : array-like
+        Inputs ``[N, in_features]``.
+    y : array-like
+        Targets: ``[N]`` or ``[N, out]`` (regression), class labels ``[N]`` (classification).
+    method : str, default "mean_field"
+        A name from :func:`methods`.
+    seed : int, default 0
+        Seeds Pyro's RNGs (torch, numpy, random) before anything random happens.
+    device : str or torch.device, optional
+        Where to run; default the device of ``x``.  The model and data are moved there.
+    progress : bool, default True
+        Show a progress bar.
+    **options
+        The method's options (see ``pyrobdl methods``); unknown ones are an error.
+
+    Returns
+    -------
+    Posterior
+        Same interface for every method: ``sample``, ``predict``, ``cost``, ``history``.
+
+    Raises
+    ------
+    ValueError
+        Unknown method or option, invalid data, or a model the method cannot handle; raised
+        before any training.
+
+    Examples
+    --------
+    >>> posterior = fit(model, x, y, method="mean_field", num_steps=2000, lr=1e-2, seed=0)
+    >>> posterior.predict(x_test, num_samples=200).mean
+    """
+    meth = get_method(method)
+    unknown = sorted(set(options) - set(meth.options))
+    if unknown:
+        raise ValueError(
+            f"method {method!r} does not take option(s) {unknown}; valid options: "
+            f"{sorted(meth.options) + list(COMMON_OPTIONS)}"
+        )
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {seed!r}")
+    full = {**meth.options, **options}
+    if meth.check_model is not None:
+        meth.check_model(model, full)
+    x, y = check_data(model, x, y)
+    dev = resolve_device(device, x.device)
+    x, y = x.to(dev), y.to(dev)
+    model.to(dev)
+    pyro.set_rng_seed(seed)
+    full.update(seed=seed, device=str(dev))
+    return meth.run(model, x, y, full, progress)

@@ -1,0 +1,250 @@
+r"""The one SVI loop behind every variational method.
+
+Guides differ; the loop does not.  It takes a model, a guide, a loss module from
+:func:`~pyrobdl.inference.elbo.make_elbo` and the loop settings, and returns an
+:class:`~pyrobdl.posterior.SVIPosterior`.  Following Pyro's ``examples/svi_torch.py``, the loss is
+an ``nn.Module`` stepped by one plain torch optimizer over the guide's own parameters, with
+module-local Pyro parameters (no global parameter store).
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import pyro
+import torch
+from tqdm.auto import tqdm
+
+from ..posterior import Cost, SVIPosterior
+from .elbo import make_elbo
+
+__all__ = ["LR_SCHEDULES", "LoopSettings", "run_svi"]
+
+
+def _constant(t: float) -> float:
+    return 1.0
+
+
+def _linear(t: float) -> float:
+    return 1.0 - 0.9 * t
+
+
+def _cosine(t: float) -> float:
+    return 0.1 + 0.45 * (1.0 + math.cos(math.pi * t))
+
+
+#: Learning-rate multipliers as functions of training progress t in [0, 1].
+#: ``linear`` and ``cosine`` decay to 10% of ``lr`` at the last step.
+LR_SCHEDULES: dict[str, Callable[[float], float]] = {
+    "constant": _constant,
+    "linear": _linear,
+    "cosine": _cosine,
+}
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    """Settings of the SVI loop (the options every SVI method takes).
+
+    Attributes
+    ----------
+    num_steps : int
+        Optimizer steps.
+    lr : float
+        Adam learning rate.
+    batch_size : int or None
+        Minibatch size; None for full batch.  Minibatches are drawn without replacement in
+        shuffled epochs, and the likelihood is scaled by ``N / batch_size``.
+    num_particles : int
+        Vectorized Monte Carlo samples per step.
+    lr_schedule : {"constant", "linear", "cosine"}
+        Learning-rate decay over the run (see :data:`LR_SCHEDULES`).
+    kl_warmup : int
+        Steps over which the KL weight rises linearly from 0 to 1 (0 = no annealing).
+    average_last : float
+        Fraction of final steps over which guide parameters are averaged (Polyak averaging);
+        the averaged parameters are the result.  0 disables it.
+    elbo : str
+        Estimator, see :func:`~pyrobdl.inference.elbo.make_elbo`.
+    kl : str
+        KL treatment, ``"analytic"`` or ``"monte_carlo"``.
+    """
+
+    num_steps: int = 1000
+    lr: float = 1e-2
+    batch_size: int | None = None
+    num_particles: int = 1
+    lr_schedule: str = "constant"
+    kl_warmup: int = 0
+    average_last: float = 0.1
+    elbo: str = "direct"
+    kl: str = "analytic"
+
+    def validate(self, num_data: int) -> None:
+        """Raise ValueError naming the first invalid setting."""
+        for name in ("num_steps", "num_particles"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if not isinstance(self.lr, (int, float)) or not math.isfinite(self.lr) or self.lr <= 0:
+            raise ValueError(f"lr must be a finite number > 0, got {self.lr!r}")
+        if self.batch_size is not None and (
+            isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1
+        ):
+            raise ValueError(f"batch_size must be None or an integer >= 1, got {self.batch_size!r}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"unknown lr_schedule {self.lr_schedule!r}; valid: {sorted(LR_SCHEDULES)}")
+        if isinstance(self.kl_warmup, bool) or not isinstance(self.kl_warmup, int) or self.kl_warmup < 0:
+            raise ValueError(f"kl_warmup must be an integer >= 0, got {self.kl_warmup!r}")
+        if not isinstance(self.average_last, (int, float)) or not 0 <= self.average_last < 1:
+            raise ValueError(f"average_last must be in [0, 1), got {self.average_last!r}")
+
+    def effective_batch(self, num_data: int) -> int:
+        return num_data if self.batch_size is None else min(self.batch_size, num_data)
+
+
+class _Batches:
+    """Shuffled epochs of minibatch indices, drawn on the data's device."""
+
+    def __init__(self, num_data: int, batch_size: int, device: torch.device) -> None:
+        self.num_data, self.batch_size, self.device = num_data, batch_size, device
+        self._perm = torch.empty(0, dtype=torch.long, device=device)
+        self._pos = 0
+
+    def next(self) -> torch.Tensor | None:
+        if self.batch_size >= self.num_data:
+            return None
+        if self._pos + self.batch_size > self._perm.shape[0]:
+            self._perm = torch.randperm(self.num_data, device=self.device)
+            self._pos = 0
+        idx = self._perm[self._pos : self._pos + self.batch_size]
+        self._pos += self.batch_size
+        return idx
+
+
+def _peak_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def run_svi(
+    model: Any,
+    guide: Any,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    settings: LoopSettings,
+    *,
+    method: str,
+    all_settings: dict[str, Any],
+    progress: bool = True,
+) -> SVIPosterior:
+    """Train ``guide`` on ``model`` and return the posterior.
+
+    Parameters
+    ----------
+    model : pyrobdl.BayesianMLP
+        The model, already on the data's device.
+    guide : pyrobdl.guides.BNNGuide
+        The guide, already on the data's device.
+    x, y : torch.Tensor
+        Validated training data (``y`` in the likelihood's shape).
+    settings : LoopSettings
+        Loop settings.
+    method : str
+        Registry name, recorded in the posterior.
+    all_settings : dict
+        Every option of the method, recorded in the posterior.
+    progress : bool
+        Show a tqdm progress bar.
+
+    Returns
+    -------
+    SVIPosterior
+
+    Raises
+    ------
+    FloatingPointError
+        When the loss becomes NaN or infinite; the message names the step and the last finite
+        ELBO.  On CPU this is checked before the step is applied, so the guide keeps its last
+        finite parameters; on CUDA the check runs every 100 steps to avoid a device sync per step.
+    """
+    device = x.device
+    num_data = x.shape[0]
+    settings.validate(num_data)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+
+    loss_fn = make_elbo(model, guide, elbo=settings.elbo, kl=settings.kl, num_particles=settings.num_particles)
+    params = [p for p in guide.parameters() if p.requires_grad]
+    optimizer = torch.optim.Adam(params, lr=settings.lr)
+    schedule = LR_SCHEDULES[settings.lr_schedule]
+    steps = settings.num_steps
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: schedule(min(i / max(steps - 1, 1), 1.0)))
+    batch = settings.effective_batch(num_data)
+    batches = _Batches(num_data, batch, device)
+    average_from = steps - int(round(settings.average_last * steps)) if settings.average_last > 0 else steps
+    averaged = [p.detach().clone() for p in params] if average_from < steps else []
+    history = torch.empty(steps, device=device)
+    check_every = 1 if device.type == "cpu" else 100
+    checked = 0
+
+    bar = tqdm(range(steps), desc=method, disable=not progress, mininterval=0.5, leave=False)
+    with pyro.settings.context(module_local_params=True):
+        for step in bar:
+            if settings.kl_warmup:
+                loss_fn.kl_weight = min(1.0, (step + 1) / settings.kl_warmup)
+            loss = loss_fn(x, y, batches.next())
+            history[step] = loss.detach()
+            if step + 1 - checked >= check_every:
+                _check_finite(history, checked, step + 1)
+                checked = step + 1
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            if step >= average_from:
+                k = step - average_from + 1
+                with torch.no_grad():
+                    for a, p in zip(averaged, params):
+                        a.lerp_(p, 1.0 / k)
+            if progress and step % 200 == 0:
+                bar.set_postfix(elbo=f"{-float(loss):.4g}", refresh=False)
+    _check_finite(history, checked, steps)
+    if averaged:
+        with torch.no_grad():
+            for a, p in zip(averaged, params):
+                p.copy_(a)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    wall = time.perf_counter() - start
+    cost = Cost(
+        wall_time_s=wall,
+        gradient_evaluations=steps * settings.num_particles,
+        epochs=steps * batch / num_data,
+        peak_memory_bytes=_peak_memory(device),
+        device=str(device),
+    )
+    elbo_history = -history.double().cpu().numpy()
+    return SVIPosterior(model, guide, method=method, settings=all_settings, cost=cost, history=elbo_history)
+
+
+def _check_finite(history: torch.Tensor, start: int, stop: int) -> None:
+    chunk = history[start:stop]
+    finite = torch.isfinite(chunk)
+    if bool(finite.all()):
+        return
+    bad = start + int((~finite).nonzero()[0])
+    good = torch.isfinite(history[:bad]).nonzero()
+    if good.numel():
+        last = int(good[-1])
+        detail = f"last finite ELBO {-float(history[last]):.6g} at step {last}"
+    else:
+        detail = "no finite ELBO before it"
+    raise FloatingPointError(f"ELBO became {-float(history[bad])} at step {bad}; {detail}")

@@ -1,0 +1,214 @@
+r"""The posterior contract: what every inference method returns.
+
+Every method (SVI guides, MAP, and MCMC in later modules) returns a :class:`Posterior`: it draws
+weights (:meth:`Posterior.sample`), predicts (:meth:`Posterior.predict`, one implementation for
+all methods, from weight draws), and carries its :class:`Cost`, its ``history`` and its
+``settings``.  Subclasses only say how to draw weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+import pyro
+import torch
+
+from ._validation import check_inputs
+
+__all__ = ["Cost", "Posterior", "Prediction", "SVIPosterior"]
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What a fit cost.
+
+    Attributes
+    ----------
+    wall_time_s : float
+        Wall-clock seconds of the fit (setup and training; CUDA synchronised at the end).
+    gradient_evaluations : int
+        Gradients of the log joint evaluated: SVI steps x particles (each on one minibatch);
+        for MCMC, leapfrog steps.
+    epochs : float
+        Full-data-equivalent gradient passes: ``gradient_evaluations * batch / N``; equals
+        ``gradient_evaluations`` for full-batch methods such as MCMC.
+    peak_memory_bytes : int
+        CUDA: peak allocated memory during the fit.  CPU: the process's peak resident set size
+        (a high-water mark for the whole process, not only this fit).
+    device : str
+        Device the fit ran on, e.g. ``"cpu"`` or ``"cuda:0"``.
+    """
+
+    wall_time_s: float
+    gradient_evaluations: int
+    epochs: float
+    peak_memory_bytes: int
+    device: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict (JSON-serialisable)."""
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Posterior predictive at a set of inputs.
+
+    Attributes
+    ----------
+    samples : torch.Tensor
+        Function draws ``[S, N, out_features]``: regression means, or classification logits.
+    mean : torch.Tensor
+        Predictive mean ``[N, out]``: :math:`E[y]` (regression) or mean class probabilities.
+    variance : torch.Tensor
+        Predictive variance ``[N, out]``.  Regression: ``epistemic + aleatoric``.
+        Classification: :math:`\\bar p(1-\\bar p)` per class.
+    epistemic_variance : torch.Tensor
+        Variance over draws of the function (regression) or of class probabilities.
+    aleatoric_variance : torch.Tensor or None
+        Expected observation-noise variance :math:`E[\\tau^{-1}]` (regression), None for
+        classification.
+    """
+
+    samples: torch.Tensor
+    mean: torch.Tensor
+    variance: torch.Tensor
+    epistemic_variance: torch.Tensor
+    aleatoric_variance: torch.Tensor | None
+    _likelihood: Any = field(repr=False, default=None)
+    _latents: Mapping[str, torch.Tensor] = field(repr=False, default_factory=dict)
+
+    def log_likelihood(self, y: Any) -> torch.Tensor:
+        """Pointwise log-likelihood of targets under each draw, ``[S, N]``.
+
+        Parameters
+        ----------
+        y : array-like
+            Targets in the model's training scale (``[N]`` or ``[N, out]``; labels for
+            classification).
+        """
+        y = torch.as_tensor(y, device=self.samples.device)
+        y = y.long() if self._likelihood.task == "classification" else y.to(self.samples.dtype)
+        y = self._likelihood.prepare_targets(y, self.samples.shape[-1])
+        if y.shape[0] != self.samples.shape[-2]:
+            raise ValueError(f"y has {y.shape[0]} rows but the prediction has {self.samples.shape[-2]}")
+        return self._likelihood.distribution(self.samples, self._latents).log_prob(y)
+
+
+class Posterior:
+    """Base of every method's result.
+
+    Attributes
+    ----------
+    model : pyrobdl.BayesianMLP
+        The model the posterior is over.
+    method : str
+        Registry name of the method that produced it.
+    settings : dict
+        Every option of the method, defaults filled in.
+    cost : Cost
+        What the fit cost.
+    history : numpy.ndarray
+        Per-step objective trace (the ELBO for SVI; empty when a method has none).
+    diagnostics : dict
+        Method-specific diagnostics (sampler statistics for MCMC; empty for SVI).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        method: str,
+        settings: Mapping[str, Any],
+        cost: Cost,
+        history: np.ndarray | None = None,
+        diagnostics: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.model = model
+        self.method = method
+        self.settings = dict(settings)
+        self.cost = cost
+        self.history = np.zeros(0) if history is None else history
+        self.diagnostics = dict(diagnostics or {})
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(method={self.method!r}, cost={self.cost})"
+
+    def _draw(self, num_samples: int) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def sample(self, num_samples: int, *, seed: int | None = None) -> dict[str, torch.Tensor]:
+        """Draw weights (and likelihood latents) from the posterior.
+
+        Parameters
+        ----------
+        num_samples : int
+            Number of joint draws.
+        seed : int, optional
+            Seed for the draws (global torch RNG is reseeded when given).
+
+        Returns
+        -------
+        dict
+            Site name -> tensor ``[num_samples, *site_shape]``.
+        """
+        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+            raise ValueError(f"num_samples must be an integer >= 1, got {num_samples!r}")
+        if seed is not None:
+            pyro.set_rng_seed(seed)
+        with torch.no_grad():
+            return self._draw(num_samples)
+
+    def predict(self, x: Any, num_samples: int = 200, *, seed: int | None = None) -> Prediction:
+        """Posterior predictive at inputs ``x`` from ``num_samples`` weight draws.
+
+        Parameters
+        ----------
+        x : array-like
+            Inputs ``[N, in_features]``.
+        num_samples : int, default 200
+            Number of weight draws.
+        seed : int, optional
+            Seed for the draws.
+
+        Returns
+        -------
+        Prediction
+        """
+        x = check_inputs(self.model, x).to(self.model.device)
+        draws = self.sample(num_samples, seed=seed)
+        with torch.no_grad():
+            return predictive_from_draws(self.model, draws, x)
+
+
+def predictive_from_draws(model: Any, draws: Mapping[str, torch.Tensor], x: torch.Tensor) -> Prediction:
+    """Build a :class:`Prediction` from joint weight draws (leading sample dim) at inputs ``x``."""
+    f = model.network(draws, x)
+    lik = model.likelihood
+    if lik.task == "classification":
+        probs = torch.softmax(f, dim=-1)
+        mean = probs.mean(0)
+        return Prediction(f, mean, mean * (1 - mean), probs.var(0, unbiased=False), None, lik, dict(draws))
+    mean = f.mean(0)
+    epistemic = f.var(0, unbiased=False)
+    aleatoric = lik.noise_variance(draws, f).expand_as(f).mean(0)
+    return Prediction(f, mean, epistemic + aleatoric, epistemic, aleatoric, lik, dict(draws))
+
+
+class SVIPosterior(Posterior):
+    """Result of an SVI method: the trained guide is the posterior.
+
+    Attributes
+    ----------
+    guide : pyrobdl.guides.BNNGuide
+        The trained Pyro guide, usable with ``pyro.infer.Predictive``.
+    """
+
+    def __init__(self, model: Any, guide: Any, **kwargs: Any) -> None:
+        super().__init__(model, **kwargs)
+        self.guide = guide
+
+    def _draw(self, num_samples: int) -> dict[str, torch.Tensor]:
+        return self.guide.sample_params(num_samples)

@@ -1,0 +1,185 @@
+r"""Priors over the weights and biases of a :class:`~pyrobdl.BayesianMLP`.
+
+A prior is a small object with one hook, :meth:`Prior.site_distribution`, which receives a
+:class:`Site` (the name, layer, kind and shape of one weight or bias tensor) and returns the
+distribution of that site, with every dimension of the tensor declared as an event dimension.
+The model turns each hook result into a ``PyroSample``; guides and the direct ELBO read the same
+hook through :meth:`pyrobdl.BayesianMLP.prior_distributions`.  New priors (log-uniform,
+scale mixtures, ...) only implement this hook.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import pyro.distributions as dist
+import torch
+
+__all__ = ["Gaussian", "Prior", "Site"]
+
+
+@dataclass(frozen=True)
+class Site:
+    """Description of one sample site of a Bayesian MLP.
+
+    Attributes
+    ----------
+    name : str
+        Stable Pyro site name, ``"layers.{layer}.weight"`` or ``"layers.{layer}.bias"``.
+    layer : int
+        Index of the layer, 0 for the input layer.
+    kind : str
+        ``"weight"`` or ``"bias"``.
+    shape : tuple of int
+        Shape of the tensor: ``(out, in)`` for weights, ``(out,)`` for biases.
+    fan_in : int
+        Number of inputs of the layer.
+    num_layers : int
+        Number of linear layers of the network.
+    """
+
+    name: str
+    layer: int
+    kind: str
+    shape: tuple[int, ...]
+    fan_in: int
+    num_layers: int
+
+
+class Prior:
+    """Base class of weight priors: one hook that returns each site's distribution.
+
+    Subclasses implement :meth:`site_distribution`.  ``proper`` says whether the prior is a
+    normalisable density; MCMC and MAP refuse improper priors before running.
+    """
+
+    #: Whether the density integrates to one (False for log-uniform priors).
+    proper: bool = True
+
+    def site_distribution(self, site: Site, device: torch.device | None = None) -> dist.Distribution:
+        """Return the prior distribution of ``site``.
+
+        Parameters
+        ----------
+        site : Site
+            The weight or bias tensor the distribution is for.
+        device : torch.device, optional
+            Device on which the distribution's parameters live.
+
+        Returns
+        -------
+        pyro.distributions.Distribution
+            A distribution with ``event_shape == site.shape`` and empty batch shape.
+        """
+        raise NotImplementedError
+
+    def validate(self, num_layers: int) -> None:
+        """Check the prior fits a network with ``num_layers`` linear layers (raise ValueError)."""
+
+
+def _positive(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+class Gaussian(Prior):
+    r"""Independent zero-mean Gaussian prior :math:`w \sim \mathcal N(0, s_\ell^2)`.
+
+    Parameters
+    ----------
+    scale : float or sequence of float or "fan_in"
+        Prior standard deviation.  A number applies to every weight and bias; a sequence gives
+        one scale per layer (its length must equal the number of linear layers); the string
+        ``"fan_in"`` uses :math:`s_\ell = \text{gain}/\sqrt{\text{fan\_in}_\ell}`.
+    bias_scale : float, optional
+        Standard deviation of the biases; by default the layer's weight scale.
+    gain : float, default 1.0
+        Multiplier of the fan-in convention (ignored otherwise).
+
+    Raises
+    ------
+    ValueError
+        If any scale is not a finite number > 0, or ``scale`` is an unknown string.
+
+    Notes
+    -----
+    With :math:`s = 1/l` this is the prior of Gal & Ghahramani's length-scale :math:`l`.
+    The fan-in convention keeps the prior variance of each pre-activation independent of
+    the layer width (Neal, 1996).
+
+    Examples
+    --------
+    >>> Gaussian(scale=1.0)
+    >>> Gaussian(scale=[1.0, 0.1])
+    >>> Gaussian(scale="fan_in")
+    """
+
+    def __init__(
+        self,
+        scale: float | Sequence[float] | str = 1.0,
+        *,
+        bias_scale: float | None = None,
+        gain: float = 1.0,
+    ) -> None:
+        if isinstance(scale, str):
+            if scale != "fan_in":
+                raise ValueError(
+                    f"scale must be a number > 0, a sequence of numbers, or 'fan_in'; got {scale!r}"
+                )
+            self.gain = _positive("gain", gain)
+        elif isinstance(scale, (list, tuple)):
+            if len(scale) == 0:
+                raise ValueError("scale must not be an empty sequence")
+            scale = tuple(_positive(f"scale[{i}]", s) for i, s in enumerate(scale))
+        else:
+            scale = _positive("scale", scale)
+        self.scale = scale
+        self.bias_scale = None if bias_scale is None else _positive("bias_scale", bias_scale)
+        self._cache: dict[tuple, dist.Distribution] = {}
+
+    def __repr__(self) -> str:
+        return f"Gaussian(scale={self.scale!r}, bias_scale={self.bias_scale!r})"
+
+    def validate(self, num_layers: int) -> None:
+        """Check a per-layer scale has one entry per linear layer.
+
+        Raises
+        ------
+        ValueError
+            If ``scale`` is a sequence whose length differs from ``num_layers``.
+        """
+        if isinstance(self.scale, tuple) and len(self.scale) != num_layers:
+            raise ValueError(
+                f"scale has {len(self.scale)} entries but the network has {num_layers} layers"
+            )
+
+    def layer_scale(self, site: Site) -> float:
+        """Standard deviation of ``site`` under this prior."""
+        if site.kind == "bias" and self.bias_scale is not None:
+            return self.bias_scale
+        if isinstance(self.scale, str):
+            return self.gain / math.sqrt(site.fan_in)
+        if isinstance(self.scale, tuple):
+            return self.scale[site.layer]
+        return self.scale
+
+    def site_distribution(self, site: Site, device: torch.device | None = None) -> dist.Distribution:
+        """Return :math:`\\mathcal N(0, s^2)` expanded to the site's shape (all dims event)."""
+        # Distributions are immutable, so one object per (site, device) is reused across steps.
+        key = (site, str(device))
+        cached = self._cache.get(key)
+        if cached is None:
+            s = self.layer_scale(site)
+            zero = torch.zeros((), device=device)
+            cached = (
+                dist.Normal(zero, zero + s, validate_args=False)
+                .expand(site.shape)
+                .to_event(len(site.shape))
+            )
+            self._cache[key] = cached
+        return cached
