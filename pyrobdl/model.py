@@ -31,6 +31,18 @@ def _site_prior(site: Site, prior: Prior) -> Callable[[torch.nn.Module], dist.Di
     return make
 
 
+def _drop_plate_dim(value: torch.Tensor, event_dim: int) -> torch.Tensor:
+    """Map Pyro's batch layout of a global site to the network's.
+
+    Under an outer plate (vectorized particles, ``Predictive(parallel=True)``) a global site has
+    batch shape ``[*P, 1]``: the trailing 1 is the slot of the ``data`` plate (dim -1).
+    :meth:`BayesianMLP.network` wants ``[*P]``, so that slot is removed.
+    """
+    if value.dim() > event_dim:
+        return value.squeeze(value.dim() - event_dim - 1)
+    return value
+
+
 class _Layer(PyroModule):
     """One linear layer: ``weight`` and ``bias`` are PyroSample attributes."""
 
@@ -206,10 +218,10 @@ class BayesianMLP(PyroModule):
             raise ValueError(f"x must have shape [N, {self.in_features}], got {list(x.shape)}")
         params = {}
         for layer_index, layer in enumerate(self.layers):
-            params[f"layers.{layer_index}.weight"] = layer.weight
-            params[f"layers.{layer_index}.bias"] = layer.bias
+            params[f"layers.{layer_index}.weight"] = _drop_plate_dim(layer.weight, 2)
+            params[f"layers.{layer_index}.bias"] = _drop_plate_dim(layer.bias, 1)
         for name, prior in self.likelihood.latent_distributions(self.device).items():
-            params[name] = pyro.sample(name, prior)
+            params[name] = _drop_plate_dim(pyro.sample(name, prior), len(prior.event_shape))
         if y is not None:
             y = self.likelihood.prepare_targets(y, self.out_features)
             if y.shape[0] != x.shape[0]:

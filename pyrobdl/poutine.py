@@ -75,7 +75,7 @@ class LocalReparameterizationMessenger(Messenger):
     def __init__(self, sites: Collection[str]) -> None:
         super().__init__()
         self.sites = frozenset(sites)
-        self._drawn: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._drawn: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def __exit__(self, *args):  # type: ignore[no-untyped-def]
         self._drawn.clear()
@@ -83,12 +83,14 @@ class LocalReparameterizationMessenger(Messenger):
 
     def observe(self, name: str, value: torch.Tensor, fn: dist.Distribution) -> None:
         """Remember that ``value`` at site ``name`` was drawn from ``fn`` (first draw wins)."""
-        if name not in self.sites or id(value) in self._drawn:
+        key = (value.data_ptr(), value.numel())
+        if name not in self.sites or key in self._drawn:
             return
         parts = _normal_parts(fn)
         if parts is not None:
-            # Keep the value itself so its id cannot be reused while we hold the entry.
-            self._drawn[id(value)] = (value, *parts)
+            # Keyed by storage, so views of the value (the model drops Pyro's plate slot with
+            # a squeeze) are recognised; the value is kept so its storage cannot be reused.
+            self._drawn[key] = (value, *parts)
 
     def _pyro_post_sample(self, msg) -> None:  # type: ignore[no-untyped-def]
         if not msg["is_observed"]:
@@ -101,10 +103,12 @@ class LocalReparameterizationMessenger(Messenger):
 
         Returns None when ``weight`` was not drawn at a locally reparameterized site.
         """
-        entry = self._drawn.get(id(weight))
-        if entry is None or entry[0] is not weight:
+        entry = self._drawn.get((weight.data_ptr(), weight.numel()))
+        if entry is None:
             return None
         _, loc, scale = entry
+        if loc.dim() > weight.dim():  # Pyro's plate slot in front of the event dims
+            loc, scale = loc.squeeze(-3), scale.squeeze(-3)
         mean = _linear(x, loc, bias)
         var = _linear(x * x, scale * scale, None)
         return mean, var

@@ -4,7 +4,7 @@ Guides differ; the loop does not.  It takes a model, a guide, a loss module from
 :func:`~pyrobdl.inference.elbo.make_elbo` and the loop settings, and returns an
 :class:`~pyrobdl.posterior.SVIPosterior`.  Following Pyro's ``examples/svi_torch.py``, the loss is
 an ``nn.Module`` stepped by one plain torch optimizer over the guide's own parameters, with
-module-local Pyro parameters (no global parameter store).
+Pyro's global parameter store isolated in a private scope for the duration of the run.
 """
 
 from __future__ import annotations
@@ -196,7 +196,9 @@ def run_svi(
     checked = 0
 
     bar = tqdm(range(steps), desc=method, disable=not progress, mininterval=0.5, leave=False)
-    with pyro.settings.context(module_local_params=True):
+    # A private parameter-store scope: Pyro-traced ELBOs register the guide's PyroParams in the
+    # global store, where two guides with the same parameter names would overwrite each other.
+    with pyro.get_param_store().scope():
         for step in bar:
             if settings.kl_warmup:
                 loss_fn.kl_weight = min(1.0, (step + 1) / settings.kl_warmup)
