@@ -1,6 +1,6 @@
 """pyrobdl: Bayesian MLPs in Pyro, their inference methods side by side, and honest reports."""
 
-from . import datasets, guides, likelihoods, poutine, priors
+from . import datasets, diagnostics, guides, likelihoods, poutine, priors
 from .inference import fit, methods
 from .model import BayesianMLP
 from .posterior import Cost, Posterior, Prediction
@@ -14,6 +14,7 @@ __all__ = [
     "Prediction",
     "__version__",
     "datasets",
+    "diagnostics",
     "fit",
     "guides",
     "likelihoods",

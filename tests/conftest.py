@@ -1,0 +1,36 @@
+"""Shared test set-up: a clean Pyro state per test, fixed seeds, and device parametrisation."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pyro
+import pytest
+import torch
+
+# Tiny models on a 2-core machine: one thread avoids OpenMP oversubscription (DESIGN.md traps).
+torch.set_num_threads(1)
+
+#: Where the shared datasets live: PYROBDL_DATA_DIR, else ../shared/datasets beside the repo.
+DATA_DIR = Path(os.environ.get("PYROBDL_DATA_DIR", Path(__file__).resolve().parents[2] / "shared" / "datasets"))
+
+#: Devices every device-aware test runs on: CPU always, CUDA when present.
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(autouse=True)
+def _reset_pyro():
+    """Clear the parameter store and reseed before each test (Pyro's own tests do the same)."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    yield
+    pyro.clear_param_store()
+
+
+@pytest.fixture
+def data_dir() -> Path:
+    """The datasets root; tests that need real data are skipped when it is absent."""
+    if not DATA_DIR.is_dir():
+        pytest.skip(f"datasets directory {DATA_DIR} not found (set PYROBDL_DATA_DIR)")
+    return DATA_DIR
