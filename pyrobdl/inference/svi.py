@@ -217,7 +217,7 @@ def run_svi(
                     for a, p in zip(averaged, params):
                         a.lerp_(p, 1.0 / k)
             if progress and step % 200 == 0:
-                bar.set_postfix(elbo=f"{-float(loss):.4g}", refresh=False)
+                bar.set_postfix(elbo=f"{-float(history[step]):.4g}", refresh=False)
     _check_finite(history, checked, steps)
     if averaged:
         with torch.no_grad():
