@@ -134,10 +134,28 @@ class BNNGuide(PyroModule):
     def __init__(self, model: Any) -> None:
         super().__init__()
         self.site_specs = model_sites(model)
+        self._transform_cache: dict[str, Any] = {}
 
     def variational_distributions(self) -> dict[str, dist.Distribution]:
         """Return ``{site name: q(site)}``, each with empty batch shape and the site's event shape."""
         raise NotImplementedError
+
+    def param(self, name: str) -> torch.Tensor:
+        """Constrained value of the ``PyroParam`` attribute ``name``.
+
+        Inside the guide's ``forward`` (a Pyro context) this is ordinary attribute access, which
+        emits the ``pyro.param`` statement SVI and handlers rely on.  Outside it (pyrobdl's
+        DirectELBO, prediction) it reads the unconstrained parameter and applies the
+        constraint's transform directly, skipping ``PyroModule.__getattr__``'s bookkeeping,
+        which measured about a third of a millisecond per step for a 1x50 network.
+        """
+        if self._pyro_context.active:
+            return getattr(self, name)
+        constraint, _ = self._pyro_params[name]
+        transform = self._transform_cache.get(name)
+        if transform is None:
+            transform = self._transform_cache[name] = torch.distributions.transform_to(constraint)
+        return transform(self._parameters[name + "_unconstrained"])
 
     def site_infer(self, name: str) -> dict:
         """Extra ``infer`` settings of a site's ``pyro.sample`` (e.g. a score-function baseline)."""

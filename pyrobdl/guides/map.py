@@ -38,5 +38,5 @@ class MAP(BNNGuide):
 
     def variational_distributions(self) -> dict[str, dist.Distribution]:
         return {
-            s.name: dist.Delta(getattr(self, f"{s.key}_loc"), event_dim=s.event_dim) for s in self.site_specs
+            s.name: dist.Delta(self.param(f"{s.key}_loc"), event_dim=s.event_dim) for s in self.site_specs
         }

@@ -88,8 +88,8 @@ class MeanField(BNNGuide):
     def variational_distributions(self) -> dict[str, dist.Distribution]:
         out = {}
         for s in self.site_specs:
-            loc = getattr(self, f"{s.key}_loc")
-            scale = getattr(self, f"{s.key}_scale")
+            loc = self.param(f"{s.key}_loc")
+            scale = self.param(f"{s.key}_scale")
             q: dist.Distribution = dist.Normal(loc, scale, validate_args=False)
             if not s.is_real:
                 q = dist.TransformedDistribution(q, [self._transforms[s.name]], validate_args=False)

@@ -136,10 +136,24 @@ class PyroELBO(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, subsample: torch.Tensor | None = None) -> torch.Tensor:
         """Return Pyro's differentiable negative ELBO (surrogate loss for score-function sites)."""
+        # Pyro's JIT traces only tensor arguments, so a missing subsample is left out.
+        args = (x, y) if subsample is None else (x, y, subsample)
+        model, guide = self._kl_handler(self.model), self._kl_handler(self.guide)
         with self.guide.training_context():
-            return self.elbo.differentiable_loss(
-                self._kl_handler(self.model), self._kl_handler(self.guide), x, y, subsample
-            )
+            if isinstance(self.elbo, pyro.infer.TraceGraph_ELBO):
+                return _tracegraph_loss(self.elbo, model, guide, *args)
+            return self.elbo.differentiable_loss(model, guide, *args)
+
+
+def _tracegraph_loss(elbo: pyro.infer.TraceGraph_ELBO, model: Any, guide: Any, *args: Any) -> torch.Tensor:
+    """``TraceGraph_ELBO`` has no ``differentiable_loss`` in pyro 1.9: value -ELBO, gradient the surrogate's.
+
+    Same convention as ``Trace_ELBO.differentiable_loss``; the surrogate includes the
+    baseline losses, so neural baselines train with the guide.
+    """
+    value, surrogate = elbo._loss_and_surrogate_loss(model, guide, args, {})
+    value = torch.as_tensor(value).detach()
+    return -value + (surrogate - surrogate.detach())
 
 
 def make_elbo(
