@@ -182,6 +182,56 @@ class Posterior:
         with torch.no_grad():
             return predictive_from_draws(self.model, draws, x)
 
+    def _chains(self, num_samples: int) -> dict[str, torch.Tensor]:
+        """Draws grouped into chains for ArviZ, ``{site: [chain, draw, *site_shape]}``.
+
+        Default: ``num_samples`` independent draws of :meth:`_draw` split into pseudo-chains
+        (4, 2 or 1 of equal length, at least 4 draws each; see :func:`pseudo_chain_count`), so
+        ArviZ's R-hat/ESS are defined (and near 1 / ``num_samples`` for independent draws).
+        Posteriors that hold a fixed set of Markov chains (MCMC) override this to return them
+        (all, or thinned consistently with :meth:`_sample_stats`).
+        """
+        chains = pseudo_chain_count(num_samples)
+        return {k: v.reshape(chains, num_samples // chains, *v.shape[1:]) for k, v in self._draw(num_samples).items()}
+
+    def _sample_stats(self, num_samples: int) -> dict[str, Any]:
+        """Per-draw sampler statistics ``{name: [chain, draw]}`` aligned with :meth:`_chains`.
+
+        Empty by default.  MCMC posteriors return ArviZ's conventional names (``diverging``,
+        ``step_size``, ``tree_depth``, ``n_steps``, ``acceptance_rate``, ``energy``, ``lp``), which
+        become the ``sample_stats`` group of :meth:`to_inference_data`.
+        """
+        return {}
+
+    def to_inference_data(self, x: Any, y: Any, num_samples: int = 500, *, seed: int | None = None) -> Any:
+        """Convert to ``arviz.InferenceData`` at data ``(x, y)``; see
+        :func:`pyrobdl.diagnostics.arviz_adapter.to_inference_data` for the groups and dims.
+
+        Parameters
+        ----------
+        x : array-like
+            Inputs ``[N, in_features]``.
+        y : array-like
+            Targets or class labels for ``x`` (the model's scale).
+        num_samples : int, default 500
+            Draws for methods that draw on demand (MCMC returns its stored chains).
+        seed : int, optional
+            Seed for the draws and posterior-predictive replicates.
+
+        Returns
+        -------
+        arviz.InferenceData
+        """
+        from .diagnostics.arviz_adapter import to_inference_data  # ArviZ lives behind the adapter
+
+        return to_inference_data(self, x, y, num_samples, seed=seed)
+
+
+def pseudo_chain_count(num_samples: int) -> int:
+    """Pseudo-chains for ``num_samples`` independent draws: the largest of 4, 2, 1 that divides
+    ``num_samples`` with at least 4 draws per chain (ArviZ's minimum for R-hat), else 1."""
+    return next((c for c in (4, 2) if num_samples % c == 0 and num_samples // c >= 4), 1)
+
 
 def predictive_from_draws(model: Any, draws: Mapping[str, torch.Tensor], x: torch.Tensor) -> Prediction:
     """Build a :class:`Prediction` from joint weight draws (leading sample dim) at inputs ``x``."""

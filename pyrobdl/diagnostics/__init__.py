@@ -1,5 +1,8 @@
 """Diagnostics: posterior-quality metrics, ArviZ conversion and convergence, gradient variance."""
 
+from . import metrics, plots
 from .arviz_adapter import convergence
+from .evaluate import evaluate, fit_diagnostics, vi_pareto_k
+from .gradient_variance import gradient_variance
 
-__all__ = ["convergence"]
+__all__ = ["convergence", "evaluate", "fit_diagnostics", "gradient_variance", "metrics", "plots", "vi_pareto_k"]
