@@ -1,22 +1,209 @@
-"""The ``pyrobdl`` command line."""
+"""The ``pyrobdl`` command line: ``compare``, ``report``, ``methods``.
+
+Exit status (every command):
+
+====  ==========================================================================
+0     success
+1     ``compare``: the run finished but at least one cell failed (see its record)
+2     usage error: bad arguments, an invalid suite file, ``--only`` filter or device;
+      nothing was run
+3     results folder problem: corrupt or stale records (``compare``; see
+      ``--rerun-invalid``), or no results to report (``report``)
+130   interrupted (Ctrl-C); finished cells are kept and a rerun resumes
+====  ==========================================================================
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from typing import Any, Sequence
 
-__all__ = ["main"]
+__all__ = ["EXIT_CODES", "main"]
+
+#: Exit status by meaning (documented in ``pyrobdl --help`` and docs/compare.md).
+EXIT_CODES = {"ok": 0, "cells_failed": 1, "usage": 2, "results": 3, "interrupted": 130}
+
+_EPILOG = """exit status:
+  0    success
+  1    compare: at least one cell failed (its error is in its result.json and the report)
+  2    usage error: bad arguments, invalid suite, --only filter or device (nothing ran)
+  3    results folder problem: corrupt/stale records (compare), no results (report)
+  130  interrupted; finished cells are kept, rerunning resumes
+"""
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``pyrobdl`` console script; returns the exit status."""
+def _parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    parser = argparse.ArgumentParser(prog="pyrobdl", description="Compare Bayesian-neural-network inference methods.")
+    fmt = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(
+        prog="pyrobdl", formatter_class=fmt, epilog=_EPILOG,
+        description="Compare Bayesian-neural-network inference methods: run suites, build reports.",
+    )
     parser.add_argument("--version", action="version", version=f"pyrobdl {__version__}")
-    parser.parse_args(argv)
-    parser.print_help()
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser(
+        "compare", formatter_class=fmt, epilog=_EPILOG,
+        help="run (or resume) a comparison suite",
+        description="Run every cell (dataset x split x method x seed) of a suite, or the ones not yet done "
+                    "in --out. Each finished cell is written atomically to OUT/cells/<cell>/; rerunning the "
+                    "same command resumes. Reference cells run first.",
+    )
+    p.add_argument("suite", metavar="SUITE.toml", help="suite file (see docs/compare.md)")
+    p.add_argument("--out", required=True, metavar="DIR", help="results folder (created; reused to resume)")
+    p.add_argument("--data-dir", metavar="D", help="datasets root (containing uci/, mnist/); "
+                   "default: the suite's data_dir, else $PYROBDL_DATA_DIR")
+    p.add_argument("--device", metavar="D", help="torch device for every fit, e.g. cpu, cuda, cuda:1 "
+                   "(default: the suite's device, else cpu)")
+    p.add_argument("--only", metavar="KEY=VAL,...", help="run only matching cells (keys: dataset, method, "
+                   "split, seed; repeat a key to allow several values); their reference cells are added")
+    p.add_argument("--workers", type=int, default=1, metavar="N",
+                   help="run N cells at a time in worker processes (default 1: in this process)")
+    p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads per process "
+                   "(default: torch's choice; 1 is fastest for small models on a busy machine)")
+    p.add_argument("--rerun-invalid", action="store_true", help="set corrupt or stale result files "
+                   "aside (renamed *.invalid-<time>) and rerun their cells instead of stopping")
+    p.add_argument("--dry-run", action="store_true", help="validate and list the cells and their state; run nothing")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars (log lines only)")
+
+    r = sub.add_parser("report", formatter_class=fmt, epilog=_EPILOG, help="build report.html and report.md",
+                       description="Write DIR/report.html (self-contained: figures embedded, no network) and "
+                                   "DIR/report.md from the stored results in DIR; nothing is refitted.")
+    r.add_argument("dir", metavar="DIR", help="results folder written by `pyrobdl compare`")
+    r.add_argument("--title", help="page title (default: names the suite)")
+
+    m = sub.add_parser("methods", formatter_class=fmt, epilog=_EPILOG,
+                       help="list the registered inference methods with their options and defaults",
+                       description="List every method of the registry, its summary, and each option with its default.")
+    m.add_argument("--json", action="store_true", help="machine-readable output")
+    return parser
+
+
+def _err(message: str) -> None:
+    print(f"pyrobdl: error: {message}", file=sys.stderr)
+
+
+def _cmd_methods(args: argparse.Namespace) -> int:
+    from .inference import get_method, methods
+    from .inference.registry import COMMON_OPTIONS
+
+    table = {name: {"summary": get_method(name).summary, "options": dict(get_method(name).options)} for name in methods()}
+    if args.json:
+        print(json.dumps(table, indent=1, default=str))
+        return 0
+    for name, info in table.items():
+        print(f"{name}: {info['summary']}")
+        width = max((len(k) for k in info["options"]), default=0)
+        for key, default in info["options"].items():
+            print(f"    {key:<{width}} = {default!r}")
+    print(f"\nEvery method also takes {', '.join(COMMON_OPTIONS)} (set by the suite and the command line).")
     return 0
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    import torch
+
+    from .compare import ConfigError, ResultsError, load_suite, run_suite
+    from .compare.executors import FuturesExecutor, InProcessExecutor
+    from .compare.grid import describe, expand, parse_only, select
+
+    if args.workers < 1:
+        _err(f"--workers must be >= 1, got {args.workers}")
+        return 2
+    if args.threads is not None:
+        if args.threads < 1:
+            _err(f"--threads must be >= 1, got {args.threads}")
+            return 2
+        torch.set_num_threads(args.threads)
+    try:
+        suite = load_suite(args.suite)
+        only = parse_only(args.only)
+        if args.dry_run:
+            from .compare.grid import check_plan
+            from .compare.store import cell_state
+            from pathlib import Path
+
+            cells = select(expand(suite, args.data_dir or suite.data_dir), only)
+            check_plan(suite, cells, args.data_dir or suite.data_dir)
+            print(f"{suite.name}: {describe(cells)}")
+            for c in cells:
+                state, why = cell_state(Path(args.out) / "cells" / c.id, c.config_hash, c.reference is not None)
+                print(f"  {state:10s} {c.id}{' (reference)' if c.is_reference else ''}{': ' + why if why else ''}")
+            return 0
+    except FileNotFoundError as e:
+        _err(str(e))
+        return 2
+    except (ConfigError, ValueError, TypeError) as e:
+        _err(str(e))
+        return 2
+    pool = None
+    if args.workers > 1:
+        import concurrent.futures as cf
+        import multiprocessing as mp
+
+        pool = cf.ProcessPoolExecutor(max_workers=args.workers, mp_context=mp.get_context("spawn"))
+        executor: Any = FuturesExecutor(pool)
+    else:
+        executor = InProcessExecutor()
+    try:
+        summary = run_suite(
+            suite, args.out, data_dir=args.data_dir, device=args.device, only=only, executor=executor,
+            progress=not args.no_progress, rerun_invalid=args.rerun_invalid,
+            log=print if args.no_progress else None,
+        )
+    except (ConfigError, ValueError) as e:
+        _err(str(e))
+        return 2
+    except ResultsError as e:
+        _err(str(e))
+        return 3
+    except KeyboardInterrupt:
+        _err("interrupted; finished cells are kept, rerun the same command to resume")
+        return 130
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
+    print(
+        f"{suite.name}: {len(summary.ok)} cell(s) ran ok, {len(summary.failed)} failed, "
+        f"{len(summary.skipped)} already done; {summary.wall_time_s:.1f} s; results in {summary.out}"
+    )
+    for cid, error in summary.errors.items():
+        print(f"  failed: {cid}: {error}", file=sys.stderr)
+    return 0 if summary.success else 1
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from .compare import ResultsError
+    from .report import build_report
+
+    try:
+        files = build_report(args.dir, title=args.title)
+    except ResultsError as e:
+        _err(str(e))
+        return 3
+    print(f"wrote {files.html} and {files.markdown} ({files.cells} cells, {files.failed} failed)")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``pyrobdl`` console script; returns the exit status (see module docstring)."""
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse: --help/--version exit 0, usage errors exit 2
+        return int(e.code or 0)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    handlers = {"compare": _cmd_compare, "report": _cmd_report, "methods": _cmd_methods}
+    try:
+        return handlers[args.command](args)
+    except KeyboardInterrupt:
+        _err("interrupted")
+        return 130
 
 
 if __name__ == "__main__":

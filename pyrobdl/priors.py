@@ -17,7 +17,7 @@ from typing import Sequence
 import pyro.distributions as dist
 import torch
 
-__all__ = ["Gaussian", "Prior", "Site"]
+__all__ = ["Gaussian", "ImproperFlat", "ImproperLogUniform", "LogUniform", "Prior", "Site"]
 
 
 @dataclass(frozen=True)
@@ -181,5 +181,146 @@ class Gaussian(Prior):
                 .expand(site.shape)
                 .to_event(len(site.shape))
             )
+            self._cache[key] = cached
+        return cached
+
+
+class ImproperLogUniform(dist.TorchDistribution):
+    r"""Elementwise improper log-uniform density :math:`p(w) \propto 1/|w|` on the real line.
+
+    ``log_prob(w) = -log|w|`` (no normalising constant exists).  The batch shape is the shape
+    of the weight tensor; :meth:`LogUniform.site_distribution` wraps it with ``to_event`` so
+    the site's event shape is the tensor's and ``log_prob`` sums over it.
+
+    Parameters
+    ----------
+    batch_shape : tuple of int, default ()
+        Shape of the tensor of independent weights.
+    device : torch.device, optional
+        Device of the tensors this distribution returns.
+
+    Notes
+    -----
+    The density is improper: it has no sampler (:meth:`sample` raises
+    ``NotImplementedError``), its mean is undefined (returned as NaN, like torch's
+    ``Cauchy``) and its variance infinite.  It is only usable as a prior together with a
+    guide that defines a KL divergence to it (``pyrobdl.guides.VariationalDropout`` registers
+    one) or with a Monte Carlo KL :math:`\log q(w) + \log|w|`, which is the KL up to an
+    additive constant.
+    """
+
+    arg_constraints: dict = {}
+    support = dist.constraints.real
+    has_rsample = False
+
+    def __init__(self, batch_shape: Sequence[int] = (), device: torch.device | None = None) -> None:
+        self._device = torch.device("cpu") if device is None else torch.device(device)
+        super().__init__(torch.Size(batch_shape), torch.Size(), validate_args=False)
+
+    def expand(self, batch_shape, _instance=None):  # type: ignore[no-untyped-def]
+        new = self._get_checked_instance(ImproperLogUniform, _instance)
+        new._device = self._device
+        super(ImproperLogUniform, new).__init__(torch.Size(batch_shape), torch.Size(), validate_args=False)
+        return new
+
+    @property
+    def mean(self) -> torch.Tensor:
+        return torch.full(self.batch_shape, math.nan, device=self._device)
+
+    @property
+    def variance(self) -> torch.Tensor:
+        return torch.full(self.batch_shape, math.inf, device=self._device)
+
+    def log_prob(self, value: torch.Tensor) -> torch.Tensor:
+        """:math:`-\\log|w|` elementwise, broadcast to the batch shape."""
+        return (-torch.log(value.abs())).expand(torch.broadcast_shapes(value.shape, self.batch_shape))
+
+    def sample(self, sample_shape=torch.Size()):  # type: ignore[no-untyped-def]
+        raise NotImplementedError(
+            "the log-uniform prior is improper and cannot be sampled; draw weights from a guide "
+            "that defines a KL to it (pyrobdl.guides.VariationalDropout)"
+        )
+
+    rsample = sample
+
+
+class ImproperFlat(ImproperLogUniform):
+    r"""Elementwise improper flat density on the real line: ``log_prob(w) = 0``.
+
+    The bias prior of :class:`LogUniform` with ``bias="flat"``: biases are then point
+    estimates (maximum likelihood) in a variational-dropout guide, as in Molchanov et al.
+    (2017).  Same improper-distribution conventions as :class:`ImproperLogUniform`.
+    """
+
+    def expand(self, batch_shape, _instance=None):  # type: ignore[no-untyped-def]
+        return super().expand(batch_shape, self._get_checked_instance(ImproperFlat, _instance))
+
+    def log_prob(self, value: torch.Tensor) -> torch.Tensor:
+        """Zero, broadcast to the batch shape."""
+        return value.new_zeros(()).expand(torch.broadcast_shapes(value.shape, self.batch_shape))
+
+    def sample(self, sample_shape=torch.Size()):  # type: ignore[no-untyped-def]
+        raise NotImplementedError("the flat bias prior is improper and cannot be sampled")
+
+    rsample = sample
+
+
+#: Values of the ``bias`` option of :class:`LogUniform`.
+LOG_UNIFORM_BIAS = ("flat", "log_uniform")
+
+
+class LogUniform(Prior):
+    r"""Improper, scale-invariant log-uniform prior :math:`p(\log|w|) = \text{const}`.
+
+    Equivalently :math:`p(w) \propto 1/|w|` for every weight.  It is the prior under which
+    Gaussian (multiplicative) dropout with a learned rate is variational inference
+    (Kingma et al., 2015), and the prior of sparse variational dropout (Molchanov et al.,
+    2017).  ``proper = False``: MAP and MCMC refuse it; use ``pyrobdl.guides.VariationalDropout``.
+
+    Parameters
+    ----------
+    bias : {"flat", "log_uniform"}, default "flat"
+        Prior of the biases.  ``"flat"`` (an improper constant density; a variational-dropout
+        guide then keeps biases as point estimates with no KL term, as Molchanov et al. do);
+        ``"log_uniform"`` puts the same log-uniform prior on biases (they are then sparsified
+        like weights).
+
+    Raises
+    ------
+    ValueError
+        For an unknown ``bias`` value.
+
+    Notes
+    -----
+    Each weight site's distribution is :class:`ImproperLogUniform` over the tensor, wrapped
+    with ``to_event`` (event shape = the tensor's shape), so ``log_prob`` is
+    :math:`-\sum_i \log|w_i|`.
+
+    References
+    ----------
+    D. P. Kingma, T. Salimans, M. Welling. Variational Dropout and the Local
+    Reparameterization Trick. NeurIPS 2015.
+    D. Molchanov, A. Ashukha, D. Vetrov. Variational Dropout Sparsifies Deep Neural Networks.
+    ICML 2017.
+    """
+
+    proper = False
+
+    def __init__(self, *, bias: str = "flat") -> None:
+        if bias not in LOG_UNIFORM_BIAS:
+            raise ValueError(f"unknown bias prior {bias!r}; valid: {list(LOG_UNIFORM_BIAS)}")
+        self.bias = bias
+        self._cache: dict[tuple, dist.Distribution] = {}
+
+    def __repr__(self) -> str:
+        return f"LogUniform(bias={self.bias!r})"
+
+    def site_distribution(self, site: Site, device: torch.device | None = None) -> dist.Distribution:
+        """Return the improper log-uniform (or, for flat biases, flat) density of ``site``."""
+        key = (site, str(device))
+        cached = self._cache.get(key)
+        if cached is None:
+            cls = ImproperFlat if site.kind == "bias" and self.bias == "flat" else ImproperLogUniform
+            cached = cls(site.shape, device=device).to_event(len(site.shape))
             self._cache[key] = cached
         return cached

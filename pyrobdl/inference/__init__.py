@@ -2,19 +2,26 @@
 
 from . import builtin  # noqa: F401  (registers the built-in methods)
 from .elbo import DirectELBO, PyroELBO, make_elbo
+from .mcmc import MCMCPosterior, SamplerTrace
+from .reference import Reference, load_reference, run_reference
 from .registry import Method, fit, get_method, methods, register_method, register_svi_method
 from .svi import LoopSettings, run_svi
 
 __all__ = [
     "DirectELBO",
     "LoopSettings",
+    "MCMCPosterior",
     "Method",
     "PyroELBO",
+    "Reference",
+    "SamplerTrace",
     "fit",
     "get_method",
+    "load_reference",
     "make_elbo",
     "methods",
     "register_method",
     "register_svi_method",
+    "run_reference",
     "run_svi",
 ]

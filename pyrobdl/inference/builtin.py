@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from ..guides import MAP, MeanField
+import functools
+
+from ..guides import MAP, Dropout, MeanField, ScoreFunction, VariationalDropout
+from . import mcmc  # noqa: F401  (registers "nuts" and "hmc")
 from .registry import register_svi_method, require_proper_prior
 
 register_svi_method(
@@ -19,4 +22,41 @@ register_svi_method(
     summary="Maximum a posteriori point estimate (baseline)",
     loop_defaults={"kl": "monte_carlo"},
     check_model=require_proper_prior,
+)
+
+# Two names rather than one with a ``kind`` option: a report row is a registry name, and the
+# Bernoulli and Gaussian variants are different posteriors.
+register_svi_method(
+    "dropout",
+    Dropout,
+    {"p": 0.05, "sigma": 1e-3, "init_loc": "linear"},
+    summary="MC dropout as VI, Bernoulli mixture rows (Gal & Ghahramani 2016)",
+)
+
+register_svi_method(
+    "gaussian_dropout",
+    functools.partial(Dropout, kind="gaussian"),
+    {"p": 0.05, "sigma": 1e-3, "init_loc": "linear"},
+    summary="Gaussian dropout as VI, multiplicative N(1, p/(1-p)) rows",
+)
+
+# Same family and initialisation as "mean_field"; only the gradient estimator differs
+# (docs/methods/bbvi.md).  Particles are the main variance knob, hence more than one by default.
+register_svi_method(
+    "bbvi",
+    ScoreFunction,
+    {"init_scale": 1e-2, "init_loc": "linear", "baseline": "decaying_average", "baseline_beta": 0.9},
+    summary="Black-box VI: mean-field Gaussian, score-function gradients with baselines (Ranganath et al. 2014)",
+    loop_defaults={"elbo": "trace_graph", "kl": "monte_carlo", "num_particles": 16},
+)
+
+# Molchanov et al. 2017's recipe: Adam 1e-3 with linear decay (docs/methods/variational_dropout.md).
+# No check_model: the guide itself rejects a model without a log-uniform prior, and a method
+# with a check_model would drop out of the "valid guides" list of require_proper_prior.
+register_svi_method(
+    "variational_dropout",
+    VariationalDropout,
+    {"sparse": True, "ard": False, "init_log_sigma2": -10.0, "init_loc": "linear", "local_reparameterization": True},
+    summary="Variational dropout with a log-uniform prior: sparse VD (Molchanov et al. 2017) / Kingma et al. 2015",
+    loop_defaults={"lr": 1e-3, "lr_schedule": "linear"},
 )

@@ -1,0 +1,573 @@
+r"""Comparison suites: TOML files read with the standard library and validated key by key.
+
+A suite names datasets, a model, methods with their options, seeds and splits.  Every key is
+checked before anything runs; a wrong key gets an error naming the key, the file and the valid
+keys, and all such errors of a file are reported together.
+
+File layout (every table and key is optional unless marked)::
+
+    [suite]
+    name = "quickstart"            # default: the file's stem
+    description = "..."
+    seeds = [0]                    # fit seeds; each cell is fitted once per seed
+    device = "cpu"                 # default device; ``pyrobdl compare --device`` overrides it
+    num_eval_samples = 200         # posterior draws used for every metric and prediction
+    inference_data = true          # write ArviZ netCDF per cell
+    fit_diagnostics = true         # PSIS-LOO and VI Pareto k on the training split
+    data_dir = "../datasets"       # datasets root (relative to this file); --data-dir overrides
+    reference = "nuts"             # method label whose fit is the reference (per dataset override)
+
+    [model]                        # the default model of every dataset
+    hidden = [50]
+    activation = "relu"
+    prior = { kind = "gaussian", scale = 1.0 }
+    likelihood = { kind = "gaussian", precision = 10.0, precision_units = "standardized" }
+
+    [methods.<label>]              # at least one; <label> is the registry name unless method= says
+    method = "mean_field"
+    num_steps = 2000               # any option of the method (``pyrobdl methods`` lists them)
+    model = { prior = { kind = "log_uniform" } }   # model overrides for this method
+    published = ["gal2016_mc_dropout"]             # published rows the report compares with
+    gradient_variance = false      # run the gradient-variance diagnostic after the fit
+
+    [datasets.<label>]             # at least one
+    source = "uci"                 # required: blr | gap | uci | mnist | file
+    name = "boston"                # source options (see SOURCES); uci/mnist name defaults to label
+    splits = [0, 1] or "all"       # default [0]
+    methods = ["mean_field"]       # method labels run on this dataset (default: all)
+    reference = "nuts"             # overrides [suite] reference ("" = none)
+    model = { hidden = [] }        # model overrides for this dataset
+    overrides = { dropout = { p = 0.05, model = { prior = { kind = "gaussian", scale = 100.0 } } } }
+                                   # per-method options (and model overrides) on this dataset
+
+    [gradient_variance]            # keyword arguments of pyrobdl.diagnostics.gradient_variance
+
+Model keys are merged in the order ``[model]`` < dataset ``model`` < method ``model`` < the
+dataset's ``overrides.<method>.model``; the ``prior`` and ``likelihood`` tables are replaced
+whole, not merged.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from .. import likelihoods as _likelihoods
+from .. import priors as _priors
+from ..inference import get_method, methods
+from ..model import ACTIVATIONS
+from .sources import SOURCES
+
+__all__ = [
+    "ConfigError",
+    "DatasetEntry",
+    "MethodEntry",
+    "Suite",
+    "load_suite",
+    "model_components",
+    "parse_suite",
+]
+
+SUITE_KEYS = (
+    "data_dir", "description", "device", "fit_diagnostics", "inference_data", "name", "num_eval_samples",
+    "reference", "seeds",
+)
+TOP_KEYS = ("datasets", "gradient_variance", "methods", "model", "suite")
+MODEL_KEYS = ("activation", "hidden", "likelihood", "prior")
+METHOD_RESERVED = ("gradient_variance", "method", "model", "published")
+DATASET_RESERVED = ("methods", "model", "overrides", "reference", "source", "splits")
+PRECISION_UNITS = ("original", "standardized")
+_LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
+
+
+class ConfigError(ValueError):
+    """An invalid suite: every problem found, one per line, each naming the file and the key."""
+
+
+def _snake(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+def _components(module: Any, base: type) -> dict[str, type]:
+    """Concrete classes of ``module.__all__`` deriving from ``base``, by snake-case name."""
+    found = {}
+    for name in getattr(module, "__all__", ()):
+        obj = getattr(module, name, None)
+        if isinstance(obj, type) and issubclass(obj, base) and obj is not base:
+            found[_snake(name)] = obj
+    return found
+
+
+def model_components() -> dict[str, dict[str, type]]:
+    """Prior and likelihood classes a suite can name, by ``kind``.
+
+    Every concrete ``Prior`` of :mod:`pyrobdl.priors` and ``Likelihood`` of
+    :mod:`pyrobdl.likelihoods` is available under its class name in snake case
+    (``Gaussian`` -> ``"gaussian"``, ``GaussianLearnedPrecision`` -> ``"gaussian_learned_precision"``),
+    so a new prior is usable from a suite the day it is exported.
+    """
+    return {
+        "prior": _components(_priors, _priors.Prior),
+        "likelihood": _components(_likelihoods, _likelihoods.Likelihood),
+    }
+
+
+def _kwargs_of(cls: type) -> list[str]:
+    return [
+        p.name
+        for p in inspect.signature(cls).parameters.values()
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
+
+
+@dataclass(frozen=True)
+class MethodEntry:
+    """One ``[methods.<label>]`` table.
+
+    Attributes
+    ----------
+    label : str
+        The table's name; identifies the entry in results and reports.
+    method : str
+        Registry name of the inference method.
+    options : Mapping[str, Any]
+        The options given in the file (defaults are filled in per cell).
+    model : Mapping[str, Any]
+        Model overrides for this method.
+    published : tuple of str
+        Keys of published rows (:data:`pyrobdl.report.published.PUBLISHED`) to compare with.
+    gradient_variance : bool
+        Whether the gradient-variance diagnostic runs after the fit.
+    """
+
+    label: str
+    method: str
+    options: Mapping[str, Any]
+    model: Mapping[str, Any] = field(default_factory=dict)
+    published: tuple[str, ...] = ()
+    gradient_variance: bool = False
+
+
+@dataclass(frozen=True)
+class DatasetEntry:
+    """One ``[datasets.<label>]`` table.
+
+    Attributes
+    ----------
+    label : str
+        The table's name.
+    source : str
+        Key of :data:`pyrobdl.compare.sources.SOURCES`.
+    options : Mapping[str, Any]
+        The source's options, defaults filled in.
+    splits : tuple of int or "all"
+        Split indices (for synthetic sources: data seeds).
+    methods : tuple of str
+        Method labels run on this dataset.
+    reference : str or None
+        Method label whose fit is the reference posterior, or None.
+    model : Mapping[str, Any]
+        Model overrides for this dataset.
+    overrides : Mapping[str, Mapping[str, Any]]
+        Method label -> options that replace the method's options on this dataset (and an
+        optional ``model`` table of model overrides for that method on this dataset).
+    """
+
+    label: str
+    source: str
+    options: Mapping[str, Any]
+    splits: tuple[int, ...] | str
+    methods: tuple[str, ...]
+    reference: str | None
+    model: Mapping[str, Any] = field(default_factory=dict)
+    overrides: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Suite:
+    """A validated suite.
+
+    Attributes
+    ----------
+    path : pathlib.Path
+        The TOML file (relative paths in it are resolved against its folder).
+    name, description : str
+        From ``[suite]``.
+    seeds : tuple of int
+        Fit seeds.
+    device : str or None
+        Default device.
+    num_eval_samples : int
+        Posterior draws for metrics and predictions.
+    inference_data : bool
+        Write ArviZ netCDF per cell.
+    fit_diagnostics : bool
+        Score each fit on its training data too (:func:`pyrobdl.diagnostics.fit_diagnostics`).
+    data_dir : str or None
+        Datasets root from the file, already resolved against the file's folder.
+    model : Mapping
+        The default model spec.
+    methods : tuple of MethodEntry
+    datasets : tuple of DatasetEntry
+    gradient_variance : Mapping or None
+        Keyword arguments of the gradient-variance diagnostic.
+    raw : Mapping
+        The parsed TOML, kept for the results folder.
+    """
+
+    path: Path
+    name: str
+    description: str
+    seeds: tuple[int, ...]
+    device: str | None
+    num_eval_samples: int
+    inference_data: bool
+    fit_diagnostics: bool
+    data_dir: str | None
+    model: Mapping[str, Any]
+    methods: tuple[MethodEntry, ...]
+    datasets: tuple[DatasetEntry, ...]
+    gradient_variance: Mapping[str, Any] | None
+    raw: Mapping[str, Any] = field(default_factory=dict, repr=False)
+
+    def method(self, label: str) -> MethodEntry:
+        """The method entry called ``label``."""
+        for m in self.methods:
+            if m.label == label:
+                return m
+        raise KeyError(label)
+
+
+class _Errors:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.items: list[str] = []
+
+    def add(self, where: str, message: str) -> None:
+        self.items.append(f"{self.path}: {where}: {message}")
+
+    def unknown(self, where: str, given: Mapping[str, Any], valid: Any) -> None:
+        for key in given:
+            if key not in valid:
+                self.add(f"{where}.{key}" if where else key, f"unknown key {key!r}; valid keys: {sorted(valid)}")
+
+    def raise_if_any(self) -> None:
+        if self.items:
+            n = len(self.items)
+            head = f"invalid suite {self.path} ({n} problem{'s' if n > 1 else ''}):"
+            raise ConfigError("\n".join([head, *self.items]))
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+
+
+def _check_value_type(default: Any, value: Any) -> str | None:
+    """A reason why ``value`` cannot stand for an option whose default is ``default``, or None.
+
+    Only clear mismatches are rejected (a string for a number, a number for a flag); value
+    ranges are checked by the method itself when the cell runs.
+    """
+    if default is None:
+        return None
+    if isinstance(default, bool):
+        return None if isinstance(value, bool) else f"must be true or false, got {value!r}"
+    if _is_number(default):
+        if _is_number(value) or (isinstance(value, list) and value and all(_is_number(v) for v in value)):
+            return None
+        return f"must be a number (or a list of numbers), got {value!r}"
+    if isinstance(default, str):
+        return None if isinstance(value, str) else f"must be a string, got {value!r}"
+    return None
+
+
+def _check_model(errors: _Errors, where: str, spec: Any) -> None:
+    if not isinstance(spec, dict):
+        errors.add(where, f"must be a table, got {spec!r}")
+        return
+    errors.unknown(where, spec, MODEL_KEYS)
+    if "hidden" in spec:
+        h = spec["hidden"]
+        if not isinstance(h, list) or not all(_is_int(w) and w >= 1 for w in h):
+            errors.add(f"{where}.hidden", f"must be a list of integers >= 1 (may be empty), got {h!r}")
+    if "activation" in spec and spec["activation"] not in ACTIVATIONS:
+        errors.add(f"{where}.activation", f"unknown activation {spec['activation']!r}; valid: {sorted(ACTIVATIONS)}")
+    comps = model_components()
+    for part in ("prior", "likelihood"):
+        if part not in spec:
+            continue
+        table = spec[part]
+        if not isinstance(table, dict) or "kind" not in table:
+            errors.add(f"{where}.{part}", f"must be a table with a 'kind'; valid kinds: {sorted(comps[part])}")
+            continue
+        kind = table["kind"]
+        if kind not in comps[part]:
+            errors.add(f"{where}.{part}.kind", f"unknown {part} kind {kind!r}; valid kinds: {sorted(comps[part])}")
+            continue
+        valid = ["kind", *_kwargs_of(comps[part][kind])]
+        if part == "likelihood" and "precision" in valid:
+            valid.append("precision_units")
+            units = table.get("precision_units", "standardized")
+            if units not in PRECISION_UNITS:
+                errors.add(f"{where}.{part}.precision_units", f"unknown value {units!r}; valid: {list(PRECISION_UNITS)}")
+        errors.unknown(f"{where}.{part}", table, valid)
+
+
+def _str_list(errors: _Errors, where: str, value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        errors.add(where, f"must be a list of strings, got {value!r}")
+        return ()
+    return tuple(value)
+
+
+def _parse_methods(errors: _Errors, raw: Any) -> list[MethodEntry]:
+    if not isinstance(raw, dict) or not raw:
+        errors.add("methods", "at least one [methods.<label>] table is required")
+        return []
+    entries = []
+    for label, table in raw.items():
+        where = f"methods.{label}"
+        if not _LABEL.match(label):
+            errors.add(where, "labels may contain letters, digits, '_' and '-' only")
+        if not isinstance(table, dict):
+            errors.add(where, f"must be a table, got {table!r}")
+            continue
+        name = table.get("method", label)
+        try:
+            meth = get_method(name)
+        except ValueError:
+            errors.add(f"{where}.method" if "method" in table else where, f"unknown method {name!r}; valid methods: {methods()}")
+            continue
+        clash = sorted(set(meth.options) & set(METHOD_RESERVED))
+        if clash:
+            errors.add(where, f"method {name!r} has options {clash} that clash with suite keys {list(METHOD_RESERVED)}")
+        options = {k: v for k, v in table.items() if k not in METHOD_RESERVED}
+        errors.unknown(where, options, [*meth.options, *METHOD_RESERVED])
+        for key, value in options.items():
+            if key in meth.options:
+                why = _check_value_type(meth.options[key], value)
+                if why:
+                    errors.add(f"{where}.{key}", why)
+        model = table.get("model", {})
+        _check_model(errors, f"{where}.model", model)
+        published = _str_list(errors, f"{where}.published", table.get("published", []))
+        from ..report.published import PUBLISHED  # data only; no report machinery
+
+        for key in published:
+            if key not in PUBLISHED:
+                errors.add(f"{where}.published", f"unknown published row {key!r}; valid: {sorted(PUBLISHED)}")
+        gv = table.get("gradient_variance", False)
+        if not isinstance(gv, bool):
+            errors.add(f"{where}.gradient_variance", f"must be true or false, got {gv!r}")
+        entries.append(
+            MethodEntry(label, name, options, model if isinstance(model, dict) else {}, published, gv is True)
+        )
+    return entries
+
+
+def _parse_datasets(
+    errors: _Errors, raw: Any, labels: list[str], default_reference: str | None, base: Path,
+    entries_by_label: Mapping[str, MethodEntry],
+) -> list[DatasetEntry]:
+    if not isinstance(raw, dict) or not raw:
+        errors.add("datasets", "at least one [datasets.<label>] table is required")
+        return []
+    entries = []
+    for label, table in raw.items():
+        where = f"datasets.{label}"
+        if not _LABEL.match(label):
+            errors.add(where, "labels may contain letters, digits, '_' and '-' only")
+        if not isinstance(table, dict):
+            errors.add(where, f"must be a table, got {table!r}")
+            continue
+        source_name = table.get("source")
+        if source_name not in SOURCES:
+            errors.add(f"{where}.source", f"{'missing' if source_name is None else 'unknown source ' + repr(source_name)}; valid sources: {sorted(SOURCES)}")
+            continue
+        source = SOURCES[source_name]
+        given = {k: v for k, v in table.items() if k not in DATASET_RESERVED}
+        errors.unknown(where, given, [*source.options, *DATASET_RESERVED])
+        options = dict(source.options)
+        options.update({k: v for k, v in given.items() if k in source.options})
+        if "name" in source.options and "name" not in given:
+            options["name"] = label
+        for key, why in source.check(options, base):
+            errors.add(f"{where}.{key}", why)
+        splits: tuple[int, ...] | str = (0,)
+        if "splits" in table:
+            s = table["splits"]
+            if s == "all":
+                splits = "all"
+            elif isinstance(s, list) and s and all(_is_int(v) and v >= 0 for v in s):
+                splits = tuple(s)
+            else:
+                errors.add(f"{where}.splits", f'must be a non-empty list of integers >= 0 or "all", got {s!r}')
+        if splits == "all" and source.num_splits is None:
+            errors.add(f"{where}.splits", f'"all" needs a source with fixed splits; {source_name!r} has none')
+        ds_methods = _str_list(errors, f"{where}.methods", table.get("methods", labels))
+        for m in ds_methods:
+            if m not in labels:
+                errors.add(f"{where}.methods", f"unknown method label {m!r}; valid: {labels}")
+        reference = table.get("reference", default_reference) or None
+        if reference is not None:
+            if not isinstance(reference, str) or reference not in ds_methods:
+                errors.add(
+                    f"{where}.reference",
+                    f"must be the label of a method run on this dataset, one of {list(ds_methods)}; got {reference!r}",
+                )
+        model = table.get("model", {})
+        _check_model(errors, f"{where}.model", model)
+        overrides = table.get("overrides", {})
+        if not isinstance(overrides, dict):
+            errors.add(f"{where}.overrides", f"must be a table of method label -> options, got {overrides!r}")
+            overrides = {}
+        for m, opts in overrides.items():
+            w = f"{where}.overrides.{m}"
+            if m not in ds_methods:
+                errors.add(w, f"unknown method label; valid: {list(ds_methods)}")
+            elif not isinstance(opts, dict):
+                errors.add(w, f"must be a table of options, got {opts!r}")
+            elif m in entries_by_label:
+                meth = get_method(entries_by_label[m].method)
+                errors.unknown(w, opts, [*meth.options, "model"])
+                for key, value in opts.items():
+                    why = _check_value_type(meth.options[key], value) if key in meth.options else None
+                    if why:
+                        errors.add(f"{w}.{key}", why)
+                if "model" in opts:
+                    _check_model(errors, f"{w}.model", opts["model"])
+        entries.append(
+            DatasetEntry(
+                label, source_name, options, splits, ds_methods, reference,
+                model if isinstance(model, dict) else {}, overrides,
+            )
+        )
+    return entries
+
+
+def parse_suite(raw: Mapping[str, Any], path: str | Path = "<suite>") -> Suite:
+    """Validate a parsed suite (a dict as returned by :func:`tomllib.load`).
+
+    Parameters
+    ----------
+    raw : Mapping
+        The TOML document.
+    path : str or pathlib.Path
+        The file it came from; named in errors, and relative paths are resolved against its
+        folder.
+
+    Returns
+    -------
+    Suite
+
+    Raises
+    ------
+    ConfigError
+        Listing every invalid key or value found, each with the file, the key and the valid keys.
+    """
+    path = Path(path)
+    base = path.parent if path.suffix else Path.cwd()
+    errors = _Errors(path)
+    errors.unknown("", raw, TOP_KEYS)
+    suite = raw.get("suite", {})
+    if not isinstance(suite, dict):
+        errors.add("suite", "must be a table")
+        suite = {}
+    errors.unknown("suite", suite, SUITE_KEYS)
+    seeds = suite.get("seeds", [0])
+    if not isinstance(seeds, list) or not seeds or not all(_is_int(s) and s >= 0 for s in seeds):
+        errors.add("suite.seeds", f"must be a non-empty list of integers >= 0, got {seeds!r}")
+        seeds = [0]
+    if len(set(seeds)) != len(seeds):
+        errors.add("suite.seeds", f"has duplicates: {seeds!r}")
+    nes = suite.get("num_eval_samples", 200)
+    if not _is_int(nes) or nes < 2:
+        errors.add("suite.num_eval_samples", f"must be an integer >= 2, got {nes!r}")
+    for key in ("name", "description", "device", "data_dir", "reference"):
+        if key in suite and not isinstance(suite[key], str):
+            errors.add(f"suite.{key}", f"must be a string, got {suite[key]!r}")
+    for key in ("inference_data", "fit_diagnostics"):
+        if not isinstance(suite.get(key, True), bool):
+            errors.add(f"suite.{key}", f"must be true or false, got {suite[key]!r}")
+    model = raw.get("model", {})
+    _check_model(errors, "model", model)
+    method_entries = _parse_methods(errors, raw.get("methods"))
+    labels = [m.label for m in method_entries]
+    if raw.get("methods") and isinstance(raw["methods"], dict):
+        labels = list(raw["methods"])
+    dataset_entries = _parse_datasets(
+        errors, raw.get("datasets"), labels, suite.get("reference") or None, base,
+        {m.label: m for m in method_entries},
+    )
+    gv = raw.get("gradient_variance")
+    if gv is not None:
+        if not isinstance(gv, dict):
+            errors.add("gradient_variance", "must be a table of keyword arguments")
+        else:
+            from .. import diagnostics
+
+            fn = getattr(diagnostics, "gradient_variance", None)
+            if fn is None:
+                errors.add("gradient_variance", "this pyrobdl has no pyrobdl.diagnostics.gradient_variance")
+            else:
+                valid = [k for k in _kwargs_of(fn) if k not in ("model", "x", "y", "guide_params")]
+                errors.unknown("gradient_variance", gv, valid)
+    errors.raise_if_any()
+    data_dir = suite.get("data_dir") or None
+    if data_dir is not None:
+        data_dir = str((base / data_dir).expanduser()) if not Path(data_dir).is_absolute() else data_dir
+    return Suite(
+        path=path,
+        name=suite.get("name", path.stem),
+        description=suite.get("description", ""),
+        seeds=tuple(seeds),
+        device=suite.get("device") or None,
+        num_eval_samples=int(nes),
+        inference_data=suite.get("inference_data", True),
+        fit_diagnostics=suite.get("fit_diagnostics", True),
+        data_dir=data_dir,
+        model=dict(model),
+        methods=tuple(method_entries),
+        datasets=tuple(dataset_entries),
+        gradient_variance=dict(gv) if isinstance(gv, dict) else None,
+        raw=dict(raw),
+    )
+
+
+def load_suite(path: str | Path) -> Suite:
+    """Read and validate a suite file.
+
+    Parameters
+    ----------
+    path : str or pathlib.Path
+        A TOML file.
+
+    Returns
+    -------
+    Suite
+
+    Raises
+    ------
+    FileNotFoundError
+        If the file does not exist.
+    ConfigError
+        If it is not valid TOML (the parser's message, with the file) or any key is invalid.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"suite file {path} not found")
+    try:
+        with path.open("rb") as fh:
+            raw = tomllib.load(fh)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from e
+    return parse_suite(raw, path)

@@ -1,0 +1,276 @@
+r"""The grid of a suite: independent cells (dataset x split x method x seed), and their models.
+
+A :class:`Cell` carries its fully resolved configuration (source options, model spec, every
+option of the method with defaults filled in from the registry), so a cell can run anywhere
+from its own description and its record says exactly what produced it.  Cells whose method is
+a dataset's reference are marked, and every other cell of the same dataset and split points to
+its reference cell, which runs first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from .. import BayesianMLP
+from ..inference import get_method
+from .config import ConfigError, Suite, model_components
+from .sources import SOURCES, load_dataset
+
+__all__ = ["Cell", "FILTER_KEYS", "build_model", "check_plan", "expand", "parse_only", "select"]
+
+#: Keys ``--only`` accepts.
+FILTER_KEYS = ("dataset", "method", "seed", "split")
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One independent unit of work.
+
+    Attributes
+    ----------
+    id : str
+        ``<dataset>__<method>__split-<k>__seed-<s>``; the name of its results folder.
+    dataset, method : str
+        Dataset and method labels of the suite.
+    split, seed : int
+        Split index (data seed for synthetic sources) and fit seed.
+    spec : Mapping
+        The resolved configuration (JSON types only).
+    config_hash : str
+        SHA-256 of ``spec``: a stored result is reused only when it matches.
+    is_reference : bool
+        Whether other cells use this cell's posterior as their reference.
+    reference : str or None
+        Id of this cell's reference cell.
+    """
+
+    id: str
+    dataset: str
+    method: str
+    split: int
+    seed: int
+    spec: Mapping[str, Any] = field(repr=False)
+    config_hash: str = field(repr=False)
+    is_reference: bool = False
+    reference: str | None = None
+
+
+def cell_id(dataset: str, method: str, split: int, seed: int) -> str:
+    """The id (and folder name) of a cell."""
+    return f"{dataset}__{method}__split-{split}__seed-{seed}"
+
+
+def _merge_model(*specs: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for s in specs:
+        out.update({k: (dict(v) if isinstance(v, dict) else v) for k, v in s.items()})
+    return out
+
+
+def _hash(spec: Mapping[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
+
+
+def _splits(suite: Suite, ds: Any, data_dir: str | None) -> tuple[int, ...]:
+    if ds.splits != "all":
+        return tuple(ds.splits)
+    n = SOURCES[ds.source].num_splits(ds.options, data_dir)  # type: ignore[misc]
+    return tuple(range(n))
+
+
+def expand(suite: Suite, data_dir: str | None = None) -> list[Cell]:
+    """All cells of ``suite``, in run order (dataset, split, method, seed).
+
+    Parameters
+    ----------
+    suite : Suite
+        A validated suite.
+    data_dir : str, optional
+        Datasets root, needed to count the splits of ``splits = "all"``.
+
+    Returns
+    -------
+    list of Cell
+    """
+    cells = []
+    ref_seed = suite.seeds[0]
+    for ds in suite.datasets:
+        for split in _splits(suite, ds, data_dir):
+            ref_id = cell_id(ds.label, ds.reference, split, ref_seed) if ds.reference else None
+            for label in ds.methods:
+                entry = suite.method(label)
+                meth = get_method(entry.method)
+                override = dict(ds.overrides.get(label, {}))
+                model = _merge_model(suite.model, ds.model, entry.model, override.pop("model", {}))
+                options = {**meth.options, **entry.options, **override}
+                for seed in suite.seeds:
+                    spec = {
+                        "suite": suite.name,
+                        "dataset": {"label": ds.label, "source": ds.source, "options": dict(ds.options)},
+                        "split": split,
+                        "model": model,
+                        "method": {"label": label, "name": entry.method, "options": options},
+                        "seed": seed,
+                        "num_eval_samples": suite.num_eval_samples,
+                        "inference_data": suite.inference_data,
+                        "fit_diagnostics": suite.fit_diagnostics,
+                        "gradient_variance": suite.gradient_variance if entry.gradient_variance else None,
+                        "published": list(entry.published),
+                    }
+                    cid = cell_id(ds.label, label, split, seed)
+                    is_ref = cid == ref_id
+                    spec["reference"] = None if (ref_id is None or is_ref) else ref_id
+                    cells.append(
+                        Cell(cid, ds.label, label, split, seed, spec, _hash(spec), is_ref, spec["reference"])
+                    )
+    return cells
+
+
+def parse_only(text: str | None) -> dict[str, set[str]]:
+    """Parse ``--only key=val,key=val``: values of one key are OR-ed, keys are AND-ed.
+
+    Raises
+    ------
+    ValueError
+        For an entry without ``=`` or an unknown key (listing :data:`FILTER_KEYS`).
+    """
+    only: dict[str, set[str]] = {}
+    if not text:
+        return only
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        key, sep, value = part.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not value:
+            raise ValueError(f"--only: expected key=value, got {part!r}")
+        if key not in FILTER_KEYS:
+            raise ValueError(f"--only: unknown key {key!r}; valid keys: {list(FILTER_KEYS)}")
+        only.setdefault(key, set()).add(value)
+    return only
+
+
+def select(cells: list[Cell], only: Mapping[str, Iterable[str]]) -> list[Cell]:
+    """Cells matching ``only`` plus the reference cells they depend on.
+
+    Raises
+    ------
+    ValueError
+        If a value matches no cell (listing the valid values of that key).
+    """
+    if not only:
+        return list(cells)
+    for key, values in only.items():
+        valid = sorted({str(getattr(c, key)) for c in cells})
+        bad = sorted(set(values) - set(valid))
+        if bad:
+            raise ValueError(f"--only: no cell has {key}={bad[0]!r}; valid values of {key}: {valid}")
+    chosen = [c for c in cells if all(str(getattr(c, k)) in set(v) for k, v in only.items())]
+    needed = {c.reference for c in chosen if c.reference}
+    keep = {c.id for c in chosen} | needed
+    return [c for c in cells if c.id in keep]
+
+
+def build_model(model_spec: Mapping[str, Any], data: Any) -> BayesianMLP:
+    r"""Build the :class:`~pyrobdl.BayesianMLP` of a cell for its data.
+
+    ``in_features`` comes from the data, ``out_features`` is 1 for regression and the number of
+    classes for classification.  A likelihood ``precision`` with ``precision_units =
+    "original"`` is on the original target scale and is converted to the standardised scale
+    the model is trained on: :math:`\tau_{std} = \tau\,\sigma_y^2`.
+
+    Raises
+    ------
+    ValueError
+        If the model does not fit the data (e.g. a regression likelihood on class labels); the
+        message names the model key.
+    """
+    comps = model_components()
+    kwargs: dict[str, Any] = {}
+    for part in ("prior", "likelihood"):
+        if part in model_spec:
+            table = dict(model_spec[part])
+            cls = comps[part][table.pop("kind")]
+            units = table.pop("precision_units", "standardized")
+            if units == "original":
+                if not hasattr(data, "y_std"):
+                    raise ValueError("model.likelihood.precision_units = 'original' needs regression data")
+                table["precision"] = float(table["precision"]) * float(data.y_std) ** 2
+            try:
+                kwargs[part] = cls(**table)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"model.{part}: {e}") from e
+    classification = hasattr(data, "num_classes")
+    likelihood = kwargs.get("likelihood")
+    task = likelihood.task if likelihood is not None else "regression"
+    if classification != (task == "classification"):
+        kind = "classification" if classification else "regression"
+        raise ValueError(f"model.likelihood: a {task} likelihood cannot model {kind} data")
+    x = data.x_train
+    in_features = int(x[0].numel())
+    out = int(data.num_classes) if classification else 1
+    return BayesianMLP(
+        in_features,
+        tuple(model_spec.get("hidden", (50,))),
+        out,
+        activation=model_spec.get("activation", "relu"),
+        **kwargs,
+    )
+
+
+def check_plan(suite: Suite, cells: list[Cell], data_dir: str | None) -> None:
+    """Everything that can be checked without fitting: data load, model build, ``check_model``.
+
+    Loads the first split of each dataset used by ``cells`` once, builds every (dataset,
+    method) model and runs the method's own ``check_model`` (e.g. MCMC refuses improper priors).
+
+    Raises
+    ------
+    ConfigError
+        Listing every problem, each naming the dataset and method.
+    """
+    problems: list[str] = []
+    seen: set[tuple[str, str]] = set()
+    loaded: dict[str, Any] = {}
+    base = suite.path.parent
+    for c in cells:
+        if (c.dataset, c.method) in seen:
+            continue
+        seen.add((c.dataset, c.method))
+        ds = c.spec["dataset"]
+        if c.dataset not in loaded:
+            try:
+                loaded[c.dataset] = load_dataset(ds["source"], ds["options"], c.split, data_dir, base)
+            except (OSError, ValueError, TypeError) as e:
+                loaded[c.dataset] = None
+                problems.append(f"datasets.{c.dataset}: cannot load split {c.split}: {e}")
+        data = loaded[c.dataset]
+        if data is None:
+            continue
+        try:
+            model = build_model(c.spec["model"], data)
+            meth = get_method(c.spec["method"]["name"])
+            if meth.check_model is not None:
+                meth.check_model(model, c.spec["method"]["options"])
+        except (TypeError, ValueError) as e:
+            problems.append(f"datasets.{c.dataset} x methods.{c.method}: {e}")
+    if problems:
+        raise ConfigError("\n".join([f"invalid suite {suite.path} ({len(problems)} problem(s)):",
+                                     *[f"{suite.path}: {p}" for p in problems]]))
+
+
+def describe(cells: list[Cell]) -> str:
+    """One-line summary of a grid: counts of datasets, methods, splits, seeds and cells."""
+    n = {k: len({getattr(c, k) for c in cells}) for k in FILTER_KEYS}
+    return (f"{len(cells)} cells: {n['dataset']} dataset(s) x {n['method']} method(s) x "
+            f"{n['split']} split(s) x {n['seed']} seed(s) ({sum(c.is_reference for c in cells)} reference)")
+
+
+def suite_folder(suite: Suite) -> Path:
+    """The folder relative paths of ``suite`` are resolved against."""
+    return suite.path.parent

@@ -1,0 +1,531 @@
+r"""NUTS and HMC for Bayesian MLPs through ``pyro.infer.mcmc``, and their posterior.
+
+``fit(model, x, y, method="nuts" | "hmc", ...)`` runs Pyro's own ``NUTS``/``HMC`` kernels under
+``pyro.infer.mcmc.MCMC`` on the unchanged :class:`~pyrobdl.BayesianMLP`.  pyrobdl adds three
+things around the kernels and changes nothing inside them:
+
+* **chains run one after the other in this process**, each with its own seed derived from
+  ``seed`` (reproducible, no worker processes, and the same code on CPU and CUDA);
+* **per-iteration statistics** (leapfrog steps, step size, acceptance statistic, divergence,
+  log density) are recorded while the chain runs, because Pyro resets the kernel's counters at
+  the end of ``MCMC.run`` (DESIGN.md, known traps);
+* **convergence diagnostics** (R-hat, bulk/tail ESS through
+  :func:`pyrobdl.diagnostics.arviz_adapter.convergence`) on the weights and, more usefully for
+  a neural network, on the function values at fixed inputs.
+
+The result, :class:`MCMCPosterior`, keeps every draw and obeys the shared posterior contract.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import numpy as np
+import pyro
+import torch
+from pyro.infer.autoguide.initialization import init_to_median, init_to_sample, init_to_value
+from pyro.infer.mcmc import HMC, MCMC, NUTS
+from pyro.infer.mcmc.util import initialize_model
+
+from ..diagnostics.arviz_adapter import convergence
+from ..guides.base import model_sites
+from ..posterior import Cost, Posterior
+from .registry import Method, fit, register_method, require_proper_prior
+from .svi import _peak_memory
+
+__all__ = ["INIT_STRATEGIES", "POTENTIALS", "MCMCPosterior", "SamplerTrace", "chain_seeds", "run_mcmc"]
+
+#: How each chain's starting point is chosen.
+INIT_STRATEGIES = ("median", "sample", "map")
+#: How the potential energy (minus the log joint) is evaluated.
+POTENTIALS = ("trace", "direct")
+
+_COMMON = {
+    "num_warmup": 500,
+    "num_samples": 500,
+    "num_chains": 4,
+    "target_accept_prob": 0.8,
+    "step_size": 1.0,
+    "adapt_step_size": True,
+    "adapt_mass_matrix": True,
+    "full_mass": False,
+    "jit_compile": False,
+    "potential": "trace",
+    "init_strategy": "sample",
+    "map_num_steps": 1000,
+    "map_lr": 1e-2,
+    "diagnostic_points": 50,
+}
+NUTS_OPTIONS = {**_COMMON, "max_tree_depth": 10}
+# A quarter period of a unit-scale Gaussian (the scale the adapted mass matrix aims at): an
+# exact trajectory of length pi/2 maps x to the fresh momentum, i.e. an independent draw,
+# whereas Pyro's default 2*pi is a full oscillation that returns near the start (DESIGN.md).
+HMC_OPTIONS = {**_COMMON, "trajectory_length": math.pi / 2, "num_steps": None}
+
+
+@dataclass(frozen=True)
+class SamplerTrace:
+    r"""Per-iteration sampler statistics, shape ``[chain, num_warmup + num_samples]``.
+
+    Attributes
+    ----------
+    num_warmup : int
+        The first ``num_warmup`` columns are warm-up iterations.
+    num_steps : numpy.ndarray
+        Leapfrog steps (gradient evaluations) of each iteration.
+    step_size : numpy.ndarray
+        Step size the iteration's trajectory used.
+    accept_prob : numpy.ndarray
+        Acceptance statistic (mean Metropolis acceptance over the trajectory for NUTS), the
+        quantity step-size adaptation drives towards ``target_accept_prob``.
+    diverging : numpy.ndarray
+        Whether Pyro flagged the iteration divergent (Pyro flags sampling iterations only).
+    tree_depth : numpy.ndarray or None
+        NUTS doublings, :math:`\lceil\log_2(\text{num\_steps}+1)\rceil`; None for HMC.
+    log_joint : numpy.ndarray
+        Log joint density of the current state in Pyro's unconstrained space (including the
+        log-Jacobian of constrained sites), i.e. minus the potential energy.
+    """
+
+    num_warmup: int
+    num_steps: np.ndarray
+    step_size: np.ndarray
+    accept_prob: np.ndarray
+    diverging: np.ndarray
+    tree_depth: np.ndarray | None
+    log_joint: np.ndarray
+
+
+class _Counted:
+    """A potential function that counts its evaluations (each one is a gradient in Pyro's use)."""
+
+    def __init__(self, fn: Callable[[dict], torch.Tensor]) -> None:
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, z: dict) -> torch.Tensor:
+        self.calls += 1
+        return self.fn(z)
+
+
+class _Recording:
+    """Mixin for Pyro's HMC/NUTS kernels: records per-iteration statistics around ``sample``.
+
+    Leapfrog steps are the potential evaluations inside ``sample`` minus those of the step-size
+    search (``_find_reasonable_step_size``, a private method of Pyro 1.9's HMC: the exact-count
+    test in ``tests/test_mcmc.py`` fails loudly if a Pyro release changes it).
+    """
+
+    def _start_recording(self, counter: _Counted) -> None:
+        self._counter, self._search_calls, self.rows, self.moved = counter, 0, [], 0
+
+    def _find_reasonable_step_size(self, z):
+        before = self._counter.calls
+        try:
+            return super()._find_reasonable_step_size(z)
+        finally:
+            self._search_calls += self._counter.calls - before
+
+    def sample(self, params):
+        step, t = float(self.step_size), self._t
+        mean0, calls0, search0 = self._mean_accept_prob, self._counter.calls, self._search_calls
+        divergences0 = len(self._divergences)
+        z = super().sample(params)
+        n = self._t - self._warmup_steps if self._t > self._warmup_steps else self._t
+        # Pyro keeps only a running mean of the acceptance statistic; undo the update.
+        accept = n * self._mean_accept_prob - (n - 1) * mean0 if n > 1 else self._mean_accept_prob
+        steps = (self._counter.calls - calls0) - (self._search_calls - search0)
+        diverged = len(self._divergences) > divergences0
+        self.rows.append((t, steps, step, accept, diverged, -float(self._potential_energy_last)))
+        self.moved = self._accept_cnt  # sampling iterations whose state changed, before cleanup resets it
+        return z
+
+
+class _NUTS(_Recording, NUTS):
+    pass
+
+
+class _HMC(_Recording, HMC):
+    r"""Pyro's HMC with NumPyro's step count: a given ``num_steps`` stays fixed while the step
+    size adapts, otherwise :math:`\lceil L/\epsilon \rceil` steps cover the trajectory length
+    :math:`L`.  (Pyro floors, which collapses to a single Langevin step whenever the adapted
+    step size exceeds :math:`L/2`: measured on Bayesian linear regression with
+    :math:`L=\pi/2`, one step per iteration and a bulk ESS of 118 of 600 draws.)"""
+
+    def __init__(self, *args: Any, fixed_num_steps: int | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._fixed_num_steps = fixed_num_steps
+
+    @property
+    def num_steps(self) -> int:
+        if self._fixed_num_steps is not None:
+            return self._fixed_num_steps
+        return max(1, math.ceil(self.trajectory_length / self.step_size))
+
+
+def chain_seeds(seed: int, num_chains: int) -> list[int]:
+    """Independent per-chain seeds derived from ``seed`` with ``numpy.random.SeedSequence``."""
+    return [int(s) for s in np.random.SeedSequence(seed).generate_state(num_chains)]
+
+
+# ----------------------------------------------------------------------------------- options
+def _int(options: Mapping[str, Any], name: str, low: int) -> None:
+    v = options[name]
+    if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {v!r}")
+
+
+def _positive(options: Mapping[str, Any], name: str) -> None:
+    v = options[name]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
+
+
+def _check_options(options: Mapping[str, Any]) -> None:
+    for name in ("num_warmup",):
+        _int(options, name, 0)
+    for name in ("num_samples", "num_chains", "map_num_steps", "diagnostic_points"):
+        _int(options, name, 1)
+    for name in ("step_size", "map_lr"):
+        _positive(options, name)
+    p = options["target_accept_prob"]
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p < 1:
+        raise ValueError(f"target_accept_prob must be in (0, 1), got {p!r}")
+    for name in ("adapt_step_size", "adapt_mass_matrix", "full_mass", "jit_compile"):
+        if not isinstance(options[name], bool):
+            raise TypeError(f"{name} must be True or False, got {options[name]!r}")
+    if options["init_strategy"] not in INIT_STRATEGIES:
+        raise ValueError(f"unknown init_strategy {options['init_strategy']!r}; valid: {list(INIT_STRATEGIES)}")
+    if options["potential"] not in POTENTIALS:
+        raise ValueError(f"unknown potential {options['potential']!r}; valid: {list(POTENTIALS)}")
+    if options["jit_compile"] and options["potential"] != "trace":
+        raise ValueError("jit_compile=True compiles Pyro's traced potential: it needs potential='trace'")
+    if "max_tree_depth" in options:
+        _int(options, "max_tree_depth", 1)
+    if "trajectory_length" in options:
+        _positive(options, "trajectory_length")
+        if options["num_steps"] is not None:
+            _int(options, "num_steps", 1)
+
+
+def _check_model(model: Any, options: Mapping[str, Any]) -> None:
+    require_proper_prior(model, options)
+    _check_options(options)
+
+
+# --------------------------------------------------------------------------------- potential
+def _direct_potential(model: Any, x: torch.Tensor, y: torch.Tensor, transforms: Mapping[str, Any]) -> Callable:
+    r"""Minus the log joint in Pyro's unconstrained space, evaluated without tracing the model.
+
+    The same terms Pyro's traced potential sums, from the same objects: each site's prior
+    (``model.prior_distributions()``), the likelihood (``model.log_likelihood``) and, for
+    constrained sites, :math:`-\log|\partial u / \partial c|` of the site's transform.
+    """
+    priors = model.prior_distributions()
+    real = {s.name for s in model_sites(model) if s.is_real}
+    y = model.likelihood.prepare_targets(y, model.out_features)
+
+    def potential(z: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        params, log_joint = {}, 0.0
+        for name, prior in priors.items():
+            u = z[name]
+            if name in real:
+                value = u
+            else:
+                value = transforms[name].inv(u)
+                log_joint = log_joint - transforms[name].log_abs_det_jacobian(value, u).sum()
+            params[name] = value
+            log_joint = log_joint + prior.log_prob(value)
+        return -(log_joint + model.log_likelihood(params, x, y).sum())
+
+    return potential
+
+
+def _check_direct(direct: Callable, traced: Callable, z: Mapping[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        a, b = float(direct(z)), float(traced(z))
+    # float32 sums over N data points; anything beyond rounding means the model has grown a
+    # site or a term the direct potential does not know.
+    if not math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-3):
+        raise ValueError(
+            f"potential='direct' gives {a:.6g} but Pyro's traced model gives {b:.6g} at the initial "
+            "point: the model has terms the direct potential does not cover; use potential='trace'"
+        )
+
+
+# ----------------------------------------------------------------------------------- running
+def _init_strategy(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str, Any], seed: int):
+    name = options["init_strategy"]
+    if name == "median":
+        return init_to_median, 0
+    if name == "sample":
+        return init_to_sample, 0
+    point = fit(model, x, y, method="map", seed=seed, progress=False,
+                num_steps=options["map_num_steps"], lr=options["map_lr"])
+    values = {k: v[0] for k, v in point.sample(1).items()}
+    return init_to_value(values=values), point.cost.gradient_evaluations
+
+
+def run_mcmc(
+    model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str, Any], progress: bool, *, method: str
+) -> MCMCPosterior:
+    """Run ``options["num_chains"]`` chains of NUTS or HMC one after another (``fit``'s ``run``).
+
+    Parameters
+    ----------
+    model : pyrobdl.BayesianMLP
+        The model, on the data's device.
+    x, y : torch.Tensor
+        Validated training data.
+    options : Mapping
+        Every option of the method (see ``NUTS_OPTIONS``/``HMC_OPTIONS``), plus ``seed``.
+    progress : bool
+        Show Pyro's progress bar for each chain.
+    method : {"nuts", "hmc"}
+        The kernel.
+
+    Returns
+    -------
+    MCMCPosterior
+
+    Raises
+    ------
+    ValueError
+        With ``potential="direct"``, if the direct potential disagrees with Pyro's traced one
+        at a chain's starting point (the model has terms the direct potential does not know).
+
+    Notes
+    -----
+    Chain ``c`` is seeded with ``chain_seeds(seed, num_chains)[c]`` before its initial point is
+    drawn, so its draws do not depend on the number of chains.
+    """
+    device = x.device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    jit = options["jit_compile"] and options["potential"] == "trace"
+    # One potential for all chains, built before the per-chain seeds take over, so a
+    # jit-compiled potential is traced once rather than once per chain.
+    _, traced, transforms, _ = initialize_model(
+        model, (x, y), jit_compile=jit, skip_jit_warnings=True, init_strategy=init_to_sample
+    )
+    potential = _direct_potential(model, x, y, transforms) if options["potential"] == "direct" else traced
+    samples, rows, accept_rates, other_grads, map_grads = [], [], [], [], 0
+    for chain, seed in enumerate(chain_seeds(options["seed"], options["num_chains"])):
+        pyro.set_rng_seed(seed)
+        strategy, grads = _init_strategy(model, x, y, options, seed)
+        map_grads += grads
+        init, plain, _, _ = initialize_model(model, (x, y), init_strategy=strategy)
+        if options["potential"] == "direct":
+            _check_direct(potential, plain, init)
+        counter = _Counted(potential)
+        kernel = _make_kernel(method, counter, transforms, options)
+        kernel._start_recording(counter)
+        mcmc = MCMC(kernel, num_samples=options["num_samples"], warmup_steps=options["num_warmup"],
+                    initial_params=init, disable_progbar=not progress, transforms=transforms)
+        mcmc.run()
+        samples.append(mcmc.get_samples(group_by_chain=True))
+        rows.append(kernel.rows)
+        accept_rates.append(kernel.moved / options["num_samples"])
+        other_grads.append(counter.calls - sum(r[1] for r in kernel.rows))
+    draws = {k: torch.cat([s[k] for s in samples]).detach() for k in samples[0]}
+    draws = {name: draws[name] for name in model.prior_distributions()}
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    wall = time.perf_counter() - start
+    trace = _trace(rows, options["num_warmup"], method)
+    leapfrog = int(trace.num_steps.sum())
+    cost = Cost(wall_time_s=wall, gradient_evaluations=leapfrog + map_grads, epochs=float(leapfrog + map_grads),
+                peak_memory_bytes=_peak_memory(device), device=str(device))
+    posterior = MCMCPosterior(model, draws, trace, method=method, settings=dict(options), cost=cost)
+    diagnostics = _sampler_summary(trace, accept_rates, other_grads, map_grads, options)
+    diagnostics.update(posterior.convergence_summary(x[: options["diagnostic_points"]]))
+    posterior.diagnostics = diagnostics
+    return posterior
+
+
+def _make_kernel(method: str, potential: Callable, transforms: Mapping[str, Any], options: Mapping[str, Any]):
+    common = dict(
+        potential_fn=potential, transforms=transforms, step_size=options["step_size"],
+        adapt_step_size=options["adapt_step_size"], adapt_mass_matrix=options["adapt_mass_matrix"],
+        full_mass=options["full_mass"], target_accept_prob=options["target_accept_prob"],
+    )
+    if method == "nuts":
+        return _NUTS(max_tree_depth=options["max_tree_depth"], **common)
+    if options["num_steps"] is not None:
+        return _HMC(num_steps=options["num_steps"], fixed_num_steps=options["num_steps"], **common)
+    return _HMC(trajectory_length=options["trajectory_length"], **common)
+
+
+def _trace(rows: list[list[tuple]], num_warmup: int, method: str) -> SamplerTrace:
+    arr = np.array([[r[1:] for r in chain] for chain in rows], dtype=float)  # [C, T, 5]
+    steps = arr[..., 0].astype(np.int64)
+    depth = np.vectorize(int.bit_length, otypes=[np.int64])(steps) if method == "nuts" else None
+    return SamplerTrace(num_warmup, steps, arr[..., 1], arr[..., 2], arr[..., 3].astype(bool), depth, arr[..., 4])
+
+
+def _sampler_summary(trace: SamplerTrace, accept_rates: list[float], other_grads: list[int], map_grads: int,
+                     options: Mapping[str, Any]) -> dict[str, Any]:
+    w = trace.num_warmup
+    out: dict[str, Any] = {
+        "num_chains": options["num_chains"],
+        "num_warmup": w,
+        "num_samples": options["num_samples"],
+        "divergences": [int(d) for d in trace.diverging[:, w:].sum(1)],
+        "step_size": [float(s) for s in trace.step_size[:, -1]],
+        "accept_prob": [float(a) for a in trace.accept_prob[:, w:].mean(1)],
+        "acceptance_rate": accept_rates,
+        "leapfrog_steps_warmup": [int(s) for s in trace.num_steps[:, :w].sum(1)],
+        "leapfrog_steps_sampling": [int(s) for s in trace.num_steps[:, w:].sum(1)],
+        "other_gradient_evaluations": [int(g) for g in other_grads],
+        "map_gradient_evaluations": int(map_grads),
+    }
+    if trace.tree_depth is not None:
+        depth = trace.tree_depth[:, w:]
+        out["mean_tree_depth"] = [float(d) for d in depth.mean(1)]
+        out["max_tree_depth_fraction"] = [float(f) for f in (depth >= options["max_tree_depth"]).mean(1)]
+    return out
+
+
+# --------------------------------------------------------------------------------- posterior
+def _summary(conv: Mapping[str, np.ndarray]) -> dict[str, float]:
+    def stat(fn: Callable, key: str) -> float:
+        values = conv[key][np.isfinite(conv[key])]
+        return float(fn(values)) if values.size else float("nan")
+
+    return {
+        "rhat_max": stat(np.max, "rhat"),
+        "ess_bulk_min": stat(np.min, "ess_bulk"),
+        "ess_bulk_median": stat(np.median, "ess_bulk"),
+        "ess_tail_min": stat(np.min, "ess_tail"),
+        "ess_tail_median": stat(np.median, "ess_tail"),
+        "num_quantities": int(conv["rhat"].size),
+    }
+
+
+class MCMCPosterior(Posterior):
+    r"""Every draw of an MCMC run, grouped by chain.
+
+    Parameters
+    ----------
+    model : pyrobdl.BayesianMLP
+        The model.
+    samples : dict
+        Site name -> draws ``[chain, draw, *site_shape]`` (constrained space).
+    trace : SamplerTrace or None
+        Per-iteration sampler statistics.
+    **kwargs
+        ``method``, ``settings``, ``cost`` and optionally ``diagnostics`` of :class:`Posterior`.
+
+    Notes
+    -----
+    :meth:`sample` (and so the shared :meth:`Posterior.predict`) is deterministic: the
+    ``C * D`` draws are pooled in chain-major order, and ``S`` of them are returned at evenly
+    spaced positions :math:`\lfloor i\,CD/S \rfloor` when ``S <= CD`` (a thinned set that
+    covers every chain), or cycled, :math:`i \bmod CD`, when ``S > CD``.  ``S = CD`` returns
+    every draw once; the ``seed`` argument has no effect.
+    """
+
+    def __init__(self, model: Any, samples: Mapping[str, torch.Tensor], trace: SamplerTrace | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(model, **kwargs)
+        shapes = {tuple(v.shape[:2]) for v in samples.values()}
+        if len(shapes) != 1:
+            raise ValueError(f"samples must share their [chain, draw] dims, got {sorted(shapes)}")
+        self.samples = dict(samples)
+        self.trace = trace
+        self.num_chains, self.num_draws = shapes.pop()
+
+    def _draw(self, num_samples: int) -> dict[str, torch.Tensor]:
+        total = self.num_chains * self.num_draws
+        ar = torch.arange(num_samples)
+        idx = (ar * total) // num_samples if num_samples <= total else ar % total
+        out = {}
+        for name, v in self.samples.items():
+            idx_dev = idx.to(v.device)
+            out[name] = v.reshape(total, *v.shape[2:])[idx_dev]
+        return out
+
+    def _chains(self, num_samples: int) -> dict[str, torch.Tensor]:
+        """The stored Markov chains, ``[chain, draw, ...]`` (``num_samples`` is ignored)."""
+        return dict(self.samples)
+
+    def _sample_stats(self, num_samples: int) -> dict[str, Any]:
+        """Sampling-phase statistics under ArviZ's names, ``[chain, draw]``, aligned with
+        :meth:`_chains` (empty when the per-iteration trace is not kept, e.g. thinned draws)."""
+        tr = self.trace
+        if tr is None or tr.num_steps.shape[1] - tr.num_warmup != self.num_draws:
+            return {}
+        w = tr.num_warmup
+        stats = {
+            "diverging": tr.diverging[:, w:],
+            "step_size": tr.step_size[:, w:],
+            "n_steps": tr.num_steps[:, w:],
+            "acceptance_rate": tr.accept_prob[:, w:],
+            "lp": tr.log_joint[:, w:],
+        }
+        if tr.tree_depth is not None:
+            stats["tree_depth"] = tr.tree_depth[:, w:]
+        return stats
+
+    def function_draws(self, x: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+        """Network outputs at ``x`` for every draw, ``[chain, draw, N, out]`` (chunked over draws)."""
+        total = self.num_chains * self.num_draws
+        flat = {k: v.reshape(total, *v.shape[2:]) for k, v in self.samples.items()}
+        with torch.no_grad():
+            f = torch.cat([
+                self.model.network({k: v[i : i + chunk] for k, v in flat.items()}, x)
+                for i in range(0, total, chunk)
+            ])
+        return f.reshape(self.num_chains, self.num_draws, *f.shape[1:])
+
+    def function_space_convergence(self, x: Any) -> dict[str, np.ndarray]:
+        r"""R-hat and bulk/tail ESS of the predictions at inputs ``x``.
+
+        Regression: the network output :math:`f(x_n)`; classification: the class
+        probabilities (logits are not identifiable: adding a constant changes nothing).
+
+        Returns
+        -------
+        dict
+            ``{"rhat", "ess_bulk", "ess_tail"}``, each ``[N, out]``.
+        """
+        from .._validation import check_inputs
+
+        x = check_inputs(self.model, x).to(self.model.device)
+        f = self.function_draws(x)
+        if self.model.likelihood.task == "classification":
+            f = torch.softmax(f, dim=-1)
+        return convergence(f.double().cpu().numpy())
+
+    def weight_space_convergence(self) -> dict[str, np.ndarray]:
+        """R-hat and bulk/tail ESS of every scalar weight and latent, flattened in site order."""
+        flat = torch.cat([v.reshape(self.num_chains, self.num_draws, -1) for v in self.samples.values()], -1)
+        return convergence(flat.double().cpu().numpy())
+
+    def convergence_summary(self, x: torch.Tensor) -> dict[str, Any]:
+        """Summaries (max R-hat, min/median ESS) in weight space, function space at ``x``, and per
+        likelihood latent: the ``weight_space``/``function_space``/``latents`` diagnostics."""
+        out: dict[str, Any] = {
+            "weight_space": _summary(self.weight_space_convergence()),
+            "function_space": {**_summary(self.function_space_convergence(x)), "num_points": int(x.shape[0])},
+        }
+        latents = {}
+        for name in self.model.likelihood.latent_distributions(self.model.device):
+            conv = convergence(self.samples[name].double().cpu().numpy())
+            latents[name] = {k: float(v) for k, v in conv.items()}
+        out["latents"] = latents
+        return out
+
+
+def _register(name: str, options: dict[str, Any], summary: str) -> None:
+    def run(model: Any, x: torch.Tensor, y: torch.Tensor, opts: Mapping[str, Any], progress: bool) -> Posterior:
+        return run_mcmc(model, x, y, opts, progress, method=name)
+
+    register_method(Method(name, options, run, summary, check_model=_check_model))
+
+
+_register("nuts", NUTS_OPTIONS, "No-U-Turn Sampler, Pyro's NUTS kernel (Hoffman & Gelman 2014); reference posteriors")
+_register("hmc", HMC_OPTIONS, "Hamiltonian Monte Carlo with a fixed trajectory length, Pyro's HMC kernel (Neal 2011)")

@@ -1,0 +1,151 @@
+"""Build the report of a results folder: ``report.html`` (self-contained) and ``report.md``.
+
+Only stored records are read (``cells/*/result.json`` and their ``arrays.npz``); nothing is
+refitted, so a report can be rebuilt anywhere from a copied results folder.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from ..compare.store import atomic_write, list_results
+from . import figures as _figures
+from . import tables as _tables
+from .model import ReportModel, Section
+from .render import to_html, to_markdown
+
+__all__ = ["ReportFiles", "build_model", "build_report"]
+
+
+@dataclass(frozen=True)
+class ReportFiles:
+    """Paths written by :func:`build_report`.
+
+    Attributes
+    ----------
+    html : pathlib.Path
+    markdown : pathlib.Path
+    cells : int
+        Records read.
+    failed : int
+        Failed cells among them.
+    """
+
+    html: Path
+    markdown: Path
+    cells: int
+    failed: int
+
+
+def _overview(records: Sequence[Mapping[str, Any]], out: Path) -> tuple[list[str], Section]:
+    oks = _tables.ok_records(records)
+    suites = sorted({str(r.get("suite", "")) for r in records})
+    fit_time = sum(float((r.get("cost") or {}).get("wall_time_s") or 0.0) for r in oks)
+    cell_time = sum(float(r.get("wall_time_s") or 0.0) for r in records)
+    versions = next((r.get("versions") for r in records if r.get("versions")), {}) or {}
+    hosts = sorted({str(r.get("host", "")) for r in records})
+    devices = sorted({str((r.get("cost") or {}).get("device", "")) for r in oks})
+    summary = [
+        f"Results folder: {out}",
+        f"Suite(s): {', '.join(suites)}; {len(records)} cells: {len(oks)} finished, {len(records) - len(oks)} failed",
+        f"Total fit time {fit_time:.1f} s; total cell time (fit, evaluation, writing) {cell_time:.1f} s",
+        f"Machine: {', '.join(hosts)}; device(s): {', '.join(devices) or '—'}; {versions.get('platform', '')}",
+        "Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items() if k != "platform"),
+        f"Generated {time.strftime('%Y-%m-%d %H:%M:%S %Z')} from stored results only",
+    ]
+    tables = [t for t in [_tables.failures_table(records)] if t is not None]
+    section = Section("Run overview", ("Each cell is one fit of one method on one split with one seed.",), tuple(tables))
+    return summary, section
+
+
+def _dataset_section(label: str, records: Sequence[Mapping[str, Any]]) -> Section:
+    oks = _tables.ok_records(records)
+    paragraphs = []
+    if oks:
+        r = oks[0]
+        data, cfg = r.get("data") or {}, r.get("config") or {}
+        ds = cfg.get("dataset") or {}
+        paragraphs.append(
+            f"Source {ds.get('source')} {json.dumps(ds.get('options', {}), sort_keys=True)}; "
+            f"{data.get('task', '')}, {data.get('num_train')} training and {data.get('num_test')} test points, "
+            f"{data.get('in_features')} inputs; splits {sorted({x['split'] for x in oks})}, "
+            f"seeds {sorted({x['seed'] for x in oks})}."
+        )
+        models = {m: json.dumps((x.get('config') or {}).get('model', {}), sort_keys=True)
+                  for m, recs in _tables.by_method(oks).items() for x in recs[:1]}
+        counts = Counter(models.values())
+        common = counts.most_common(1)[0][0]
+        others = [f"{m}: {spec}" for m, spec in models.items() if spec != common]
+        paragraphs.append(f"Model: {common}" + (f"; except {'; '.join(others)}." if others else "."))
+        refs = sorted({x["method"] for x in oks if x.get("is_reference")})
+        if refs:
+            paragraphs.append(f"Reference posterior: {', '.join(refs)} (first seed of each split); the other cells "
+                              "are compared with it in the agreement table.")
+    tables = [_tables.main_table(records)]
+    tables.append(_tables.published_table(records))
+    ref_keys = _tables.reference_metric_keys(records)
+    if ref_keys:
+        tables.append(_tables.all_metrics_table(
+            records, ref_keys, "Agreement with the reference posterior",
+            "Metrics computed against the reference's predictive (see docs/diagnostics.md); mean ± s.e.",
+        ))
+    tables.append(_tables.exact_table(records))
+    tables.append(_tables.all_metrics_table(records))
+    tables.append(_tables.training_table(records))
+    tables.append(_tables.diagnostics_table(records))
+    tables.extend(_tables.gradient_variance_tables(records))
+    figs = [f(records, label) for f in _figures.FIGURES]
+    return Section(f"Dataset {label}", tuple(paragraphs), tuple(t for t in tables if t is not None),
+                   tuple(f for f in figs if f is not None))
+
+
+def build_model(out: str | Path, title: str | None = None) -> ReportModel:
+    """The report of ``out`` as a :class:`~pyrobdl.report.model.ReportModel` (no files written).
+
+    Raises
+    ------
+    pyrobdl.compare.ResultsError
+        If ``out`` holds no results or a record is corrupt (naming the file).
+    """
+    out = Path(out)
+    records = list_results(out)
+    summary, overview = _overview(records, out)
+    datasets: dict[str, list[Mapping[str, Any]]] = {}
+    for r in records:
+        datasets.setdefault(r["dataset"], []).append(r)
+    sections = [overview] + [_dataset_section(label, recs) for label, recs in datasets.items()]
+    suites = sorted({str(r.get("suite", "")) for r in records})
+    return ReportModel(title or f"pyrobdl report: {', '.join(suites)}", tuple(summary), tuple(sections))
+
+
+def build_report(out: str | Path, *, title: str | None = None) -> ReportFiles:
+    """Write ``out/report.html`` and ``out/report.md`` from the stored results in ``out``.
+
+    Parameters
+    ----------
+    out : str or pathlib.Path
+        A results folder written by :func:`pyrobdl.compare.run_suite`.
+    title : str, optional
+        Page title; default names the suite(s).
+
+    Returns
+    -------
+    ReportFiles
+
+    Raises
+    ------
+    pyrobdl.compare.ResultsError
+        If ``out`` holds no results or a record is corrupt (naming the file).
+    """
+    out = Path(out)
+    model = build_model(out, title)
+    html_path = atomic_write(out / "report.html", lambda tmp: tmp.write_text(to_html(model), encoding="utf-8"))
+    md_path = atomic_write(out / "report.md", lambda tmp: tmp.write_text(to_markdown(model), encoding="utf-8"))
+    records = list_results(out)
+    failed = sum(r.get("status") != "ok" for r in records)
+    return ReportFiles(html_path, md_path, len(records), failed)

@@ -1,0 +1,351 @@
+r"""Tables of the report, computed from stored cell records only.
+
+Every number is a mean over the finished cells of a (dataset, method) pair — splits and seeds —
+with its standard error :math:`s/\sqrt n` (sample standard deviation :math:`s`, ``ddof = 1``;
+shown as "—" for a single cell).  Published numbers come from
+:data:`pyrobdl.report.published.PUBLISHED`.
+
+Verdict against a published number (for metrics with a direction): with :math:`d` the
+difference in our favour and :math:`\sigma = \sqrt{se_{ours}^2 + se_{pub}^2}`, "beats" when
+:math:`d > 2\sigma`, "matches" when :math:`|d| \le 2\sigma`, "misses" when :math:`d < -2\sigma`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from .model import Table
+from .published import PUBLISHED, PublishedRow
+
+__all__ = [
+    "HIGHER_IS_BETTER",
+    "KEY_METRICS",
+    "METRIC_GROUPS",
+    "all_metrics_table",
+    "cost_rows",
+    "diagnostics_table",
+    "exact_table",
+    "failures_table",
+    "fmt",
+    "gradient_variance_tables",
+    "main_table",
+    "mean_se",
+    "metric_values",
+    "published_rows",
+    "published_table",
+    "reference_metric_keys",
+    "training_table",
+]
+
+#: Metrics shown in the main table, in this order, when present.
+KEY_METRICS = (
+    "rmse", "test_ll", "test_error", "accuracy", "nll", "ece", "brier", "crps",
+    "coverage_90", "pit_calibration_error",
+)
+#: Direction of metrics used in verdicts and in the quality-versus-cost figure.
+HIGHER_IS_BETTER = {"rmse": False, "test_ll": True, "test_error": False, "accuracy": True, "nll": False}
+#: Metrics derived from stored ones for comparison with published numbers.
+DERIVED = {"test_error": ("accuracy", lambda a: 1.0 - a)}
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def fmt(v: Any, digits: int = 4) -> str:
+    """A number with ``digits`` significant digits; "—" for missing or non-finite values."""
+    if not _finite(v):
+        return "—" if v is None else str(v)
+    if v != 0 and (abs(v) >= 1e6 or abs(v) < 1e-3):
+        return f"{v:.{digits - 1}e}"
+    return f"{v:.{digits}g}"
+
+
+def mean_se(values: Sequence[float]) -> tuple[float, float, int]:
+    """Mean, standard error (NaN for one value) and count of the finite ``values``."""
+    vals = np.asarray([v for v in values if _finite(v)], dtype=float)
+    n = vals.size
+    if n == 0:
+        return math.nan, math.nan, 0
+    se = float(vals.std(ddof=1) / math.sqrt(n)) if n > 1 else math.nan
+    return float(vals.mean()), se, n
+
+
+def fmt_mean_se(mean: float, se: float) -> str:
+    """``mean ± se`` (just the mean when the s.e. is unknown)."""
+    if not _finite(mean):
+        return "—"
+    return fmt(mean) if not _finite(se) else f"{fmt(mean)} ± {fmt(se, 2)}"
+
+
+def ok_records(records: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The records of finished cells."""
+    return [r for r in records if r.get("status") == "ok"]
+
+
+#: Groups of metrics in a cell record: test-set scores (``pyrobdl.diagnostics.evaluate``, with
+#: the agreement keys when a reference was used), training-data fit (``fit_diagnostics``), and
+#: the distance to an exact posterior (conjugate models).
+METRIC_GROUPS = ("metrics", "train_metrics", "exact_metrics")
+
+
+def _all_metrics(record: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for group in METRIC_GROUPS:
+        out.update(record.get(group) or {})
+    return out
+
+
+def metric_values(records: Iterable[Mapping[str, Any]], key: str) -> list[float]:
+    """Values of metric ``key`` (or its derivation, see :data:`DERIVED`) over ``records``."""
+    out = []
+    for r in records:
+        m = _all_metrics(r)
+        if key in m:
+            out.append(m[key])
+        elif key in DERIVED and DERIVED[key][0] in m and _finite(m[DERIVED[key][0]]):
+            out.append(DERIVED[key][1](m[DERIVED[key][0]]))
+    return out
+
+
+def by_method(records: Iterable[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]:
+    """Records grouped by method label, labels sorted."""
+    groups: dict[str, list[Mapping[str, Any]]] = {}
+    for r in records:
+        groups.setdefault(r["method"], []).append(r)
+    return dict(sorted(groups.items()))
+
+
+def _metric_keys(records: Iterable[Mapping[str, Any]], group: str | None = None) -> list[str]:
+    """Metric names present in ``records`` (in one group, or in all)."""
+    keys: set[str] = set()
+    for r in records:
+        m = (r.get(group) or {}) if group else _all_metrics(r)
+        keys.update(k for k, v in m.items() if _finite(v) or v is None)
+    return sorted(keys)
+
+
+def reference_metric_keys(records: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Metrics that only cells evaluated against a reference have (agreement with it).
+
+    Found from the records themselves, without knowing metric names: the keys present in some
+    record that used a reference and absent from every record that did not.
+    """
+    used = [r for r in ok_records(records) if (r.get("reference") or {}).get("used")]
+    unused = [r for r in ok_records(records) if not (r.get("reference") or {}).get("used")]
+    if not used or not unused:
+        return []
+    return sorted(set(_metric_keys(used, "metrics")) - set(_metric_keys(unused, "metrics")))
+
+
+def _matches(row: PublishedRow, record: Mapping[str, Any]) -> str | None:
+    cfg = record.get("config") or {}
+    ds = cfg.get("dataset") or {}
+    values = {"source": ds.get("source"), "name": str((ds.get("options") or {}).get("name", "")).lower(),
+              "hidden": list((cfg.get("model") or {}).get("hidden", [50]))}
+    for key, items in row.match.items():
+        if all(values.get(k) == (v.lower() if isinstance(v, str) and k == "name" else v) for k, v in items.items()):
+            return key
+    return None
+
+
+def published_rows(records: Sequence[Mapping[str, Any]]) -> list[tuple[PublishedRow, str, list[str]]]:
+    """Published rows that apply to ``records``: (row, its dataset key, our method labels naming it)."""
+    found: dict[str, tuple[PublishedRow, str, list[str]]] = {}
+    for r in records:
+        for key in r.get("published") or []:
+            row = PUBLISHED.get(key)
+            ds_key = _matches(row, r) if row else None
+            if row is None or ds_key is None:
+                continue
+            entry = found.setdefault(key, (row, ds_key, []))
+            if r["method"] not in entry[2]:
+                entry[2].append(r["method"])
+    return list(found.values())
+
+
+def cost_rows(records: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, tuple[float, float, int]]]:
+    """Per method: mean/s.e./n of wall time and gradient evaluations of the fits."""
+    out = {}
+    for label, recs in by_method(ok_records(records)).items():
+        costs = [r.get("cost") or {} for r in recs]
+        out[label] = {
+            "wall_time_s": mean_se([c.get("wall_time_s") for c in costs]),
+            "gradient_evaluations": mean_se([c.get("gradient_evaluations") for c in costs]),
+        }
+    return out
+
+
+def main_table(records: Sequence[Mapping[str, Any]]) -> Table:
+    """Methods x key metrics (mean ± s.e.) and cost, with applicable published rows below."""
+    oks = ok_records(records)
+    present = set(_metric_keys(oks)) | {k for k, (src, _) in DERIVED.items() if src in _metric_keys(oks)}
+    keys = [k for k in KEY_METRICS if k in present]
+    columns = ("method", "cells", *keys, "fit time (s)", "gradient evals", "device")
+    rows, kinds = [], []
+    costs = cost_rows(oks)
+    for label, recs in by_method(oks).items():
+        cells = [fmt_mean_se(*mean_se(metric_values(recs, k))[:2]) for k in keys]
+        c = costs[label]
+        devices = sorted({str((r.get("cost") or {}).get("device", "")) for r in recs})
+        rows.append((label, str(len(recs)), *cells, fmt_mean_se(*c["wall_time_s"][:2]),
+                     fmt(c["gradient_evaluations"][0]), ", ".join(devices)))
+        kinds.append("ours")
+    for row, ds_key, labels in published_rows(oks):
+        vals = row.results.get(ds_key, {})
+        cells = [fmt_mean_se(*vals[k]) if k in vals else "" for k in keys]
+        rows.append((f"{row.label} [published; cf. {', '.join(labels)}]", "", *cells, "", "", ""))
+        kinds.append("published")
+    note = ("Mean ± standard error over splits and seeds. Published rows: " +
+            "; ".join(f"{row.label}: {row.source}" for row, _, _ in published_rows(oks))) if published_rows(oks) else \
+        "Mean ± standard error over splits and seeds."
+    return Table("Predictive quality and cost", columns, tuple(rows), tuple(kinds), note)
+
+
+def published_table(records: Sequence[Mapping[str, Any]]) -> Table | None:
+    """Each method against the published rows its suite entry names, metric by metric."""
+    oks = ok_records(records)
+    groups = by_method(oks)
+    rows = []
+    for row, ds_key, labels in published_rows(oks):
+        for label in labels:
+            for metric, (pub, pub_se) in row.results.get(ds_key, {}).items():
+                mean, se, n = mean_se(metric_values(groups[label], metric))
+                if n == 0:
+                    continue
+                verdict = ""
+                if metric in HIGHER_IS_BETTER:
+                    d = (mean - pub) * (1 if HIGHER_IS_BETTER[metric] else -1)
+                    sigma = 2 * math.sqrt((se if _finite(se) else 0.0) ** 2 + (pub_se or 0.0) ** 2)
+                    verdict = "beats" if d > sigma else "matches" if d >= -sigma else "misses"
+                    verdict += f" ({'+' if d >= 0 else '−'}{fmt(abs(d), 2)})"
+                rows.append((label, row.label, metric, fmt_mean_se(mean, se), fmt_mean_se(pub, pub_se if pub_se is not None else math.nan), verdict))
+    if not rows:
+        return None
+    return Table(
+        "Against published numbers",
+        ("method", "published", "metric", "ours", "published value", "verdict (difference in our favour)"),
+        tuple(rows), tuple("ours" for _ in rows),
+        "beats / matches / misses: difference in our favour above / within / below 2 combined standard "
+        "errors. Published settings may differ from the suite's (see docs/results.md).",
+    )
+
+
+def all_metrics_table(records: Sequence[Mapping[str, Any]], keys: Sequence[str] | None = None,
+                      title: str = "All test metrics", note: str = "", group: str = "metrics") -> Table | None:
+    """Metrics (rows) x methods (columns), mean ± s.e.; ``keys`` restricts the metrics of ``group``."""
+    oks = ok_records(records)
+    groups = by_method(oks)
+    keys = list(keys) if keys is not None else _metric_keys(oks, group)
+    if not keys or not groups:
+        return None
+    rows = tuple(
+        (k, *[fmt_mean_se(*mean_se(metric_values(recs, k))[:2]) for recs in groups.values()]) for k in keys
+    )
+    return Table(title, ("metric", *groups), rows, (), note or "Mean ± standard error over splits and seeds.")
+
+
+def exact_table(records: Sequence[Mapping[str, Any]]) -> Table | None:
+    """Distance to the exact posterior (conjugate models only)."""
+    keys = _metric_keys(ok_records(records), "exact_metrics")
+    return all_metrics_table(
+        records, keys, "Distance to the exact posterior",
+        "Bayesian linear regression has a closed-form posterior. exact_mean_error_sd: RMS error of the "
+        "posterior mean in exact-posterior sds; exact_sd_ratio: sd / exact sd (1 is exact); "
+        "exact_mf_sd_ratio: sd / optimal mean-field sd (1 is the mean-field optimum); exact_kl: KL of a "
+        "Gaussian fitted to the draws from the exact posterior.",
+    ) if keys else None
+
+
+def training_table(records: Sequence[Mapping[str, Any]]) -> Table | None:
+    """Fit to the training data (PSIS-LOO, the VI Pareto k̂), when the suite computed it."""
+    keys = _metric_keys(ok_records(records), "train_metrics")
+    return all_metrics_table(
+        records, keys, "Fit to the training data", group="train_metrics",
+        note="pyrobdl.diagnostics.fit_diagnostics on the training split: loo_ll is the PSIS-LOO log "
+             "predictive density per point (original scale); Pareto k̂ above 0.7 flags unreliable "
+             "importance weights; vi_pareto_k is Yao et al. (2018)'s check of a variational fit.",
+    ) if keys else None
+
+
+def _summarise(value: Any) -> float | None:
+    if _finite(value):
+        return float(value)
+    if isinstance(value, (list, tuple)):
+        flat = np.asarray([v for v in np.ravel(np.asarray(value, dtype=object)) if _finite(v)], dtype=float)
+        return float(flat.mean()) if flat.size else None
+    return None
+
+
+def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, Mapping):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def diagnostics_table(records: Sequence[Mapping[str, Any]]) -> Table | None:
+    """Method diagnostics stored with the fits (e.g. MCMC R-hat, ESS, divergences), per method.
+
+    Each scalar diagnostic is averaged over cells; list-valued ones (one value per chain) are
+    first averaged over their entries, and the range over cells and entries is shown beside.
+    """
+    rows = []
+    for label, recs in by_method(ok_records(records)).items():
+        flat = [_flatten(r.get("diagnostics") or {}) for r in recs]
+        for key in sorted({k for f in flat for k in f}):
+            vals = [f[key] for f in flat if key in f]
+            summ = [s for s in (_summarise(v) for v in vals) if s is not None]
+            if not summ:
+                continue
+            entries = np.asarray([x for v in vals for x in np.ravel(np.asarray(v, dtype=object)) if _finite(x)], dtype=float)
+            m, se, n = mean_se(summ)
+            rows.append((label, key, fmt_mean_se(m, se), f"[{fmt(entries.min())}, {fmt(entries.max())}]", str(n)))
+    if not rows:
+        return None
+    return Table("Method diagnostics", ("method", "diagnostic", "mean ± s.e. over cells", "range", "cells"),
+                 tuple(rows), (), "As reported by each method in posterior.diagnostics (per-chain lists averaged).")
+
+
+def gradient_variance_tables(records: Sequence[Mapping[str, Any]]) -> list[Table]:
+    """One table per stored gradient-variance result (a list of row dicts or a dict of dicts)."""
+    tables = []
+    for r in ok_records(records):
+        gv = r.get("gradient_variance")
+        if not gv:
+            continue
+        if isinstance(gv, Mapping) and "rows" in gv and isinstance(gv["rows"], list):
+            gv = gv["rows"]
+        if isinstance(gv, Mapping) and all(isinstance(v, Mapping) for v in gv.values()):
+            gv = [{"name": k, **v} for k, v in gv.items()]
+        if isinstance(gv, list) and gv and all(isinstance(x, Mapping) for x in gv):
+            cols = list(dict.fromkeys(k for row in gv for k in row))
+            rows = tuple(tuple(fmt(row.get(c)) if not isinstance(row.get(c), str) else row.get(c) for c in cols) for row in gv)
+            tables.append(Table(f"Gradient variance — {r['method']} (split {r['split']}, seed {r['seed']})",
+                                tuple(cols), rows))
+        else:
+            tables.append(Table(f"Gradient variance — {r['method']}", ("value",), ((str(gv)[:2000],),)))
+    return tables
+
+
+def failures_table(records: Sequence[Mapping[str, Any]]) -> Table | None:
+    """Failed cells and warnings of finished ones."""
+    rows, kinds = [], []
+    for r in records:
+        if r.get("status") != "ok":
+            err = r.get("error") or {}
+            rows.append((r["id"], "failed", str(err.get("stage", "")), f"{err.get('type', '')}: {err.get('message', '')}"[:500]))
+            kinds.append("failed")
+        for w in r.get("warnings") or []:
+            rows.append((r["id"], "warning", "", str(w)[:500]))
+            kinds.append("")
+    if not rows:
+        return None
+    return Table("Failures and warnings", ("cell", "status", "stage", "message"), tuple(rows), tuple(kinds),
+                 "Full tracebacks are in each cell's result.json.")

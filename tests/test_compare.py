@@ -1,0 +1,488 @@
+"""The comparison suite: config validation, grid, sources, runner (resume, failures, executors).
+
+Fits use tiny settings; what is tested is the machinery (records, resume, isolation), not the
+quality of the fits.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import tomllib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import pyrobdl
+from pyrobdl.compare import (
+    ConfigError,
+    FuturesExecutor,
+    ResultsError,
+    expand,
+    load_suite,
+    parse_only,
+    parse_suite,
+    read_result,
+    run_suite,
+    select,
+)
+from pyrobdl.compare.grid import build_model, check_plan
+from pyrobdl.compare.sources import SOURCES, load_dataset
+from pyrobdl.compare.store import RESULT_FILE, atomic_write
+from pyrobdl.inference import registry
+from pyrobdl.inference.registry import Method
+
+REPO = Path(__file__).resolve().parents[1]
+
+TINY = """
+[suite]
+name = "tiny"
+seeds = [0]
+num_eval_samples = 20
+inference_data = false
+
+[model]
+hidden = [5]
+likelihood = { kind = "gaussian", precision = 50.0 }
+
+[methods.mean_field]
+num_steps = 30
+
+[methods.map]
+num_steps = 30
+
+[datasets.gap]
+source = "gap"
+num_train = 20
+num_test = 30
+splits = [0, 1]
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "suite.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def raw(text: str) -> dict:
+    return tomllib.loads(textwrap.dedent(text))
+
+
+def errors_of(text: str, path: str = "/x/my_suite.toml") -> str:
+    with pytest.raises(ConfigError) as info:
+        parse_suite(raw(text), path)
+    return str(info.value)
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def test_tiny_suite_parses():
+    suite = parse_suite(raw(TINY), "/x/tiny.toml")
+    assert [m.label for m in suite.methods] == ["mean_field", "map"]
+    assert suite.datasets[0].splits == (0, 1)
+    assert suite.datasets[0].options["num_train"] == 20
+    assert suite.datasets[0].options["noise_sd"] == 0.1  # source default filled in
+
+
+def test_unknown_method_option_names_key_file_and_valid_keys():
+    msg = errors_of(TINY.replace("num_steps = 30\n\n[methods.map]", "num_step = 30\n\n[methods.map]"))
+    assert "/x/my_suite.toml" in msg
+    assert "methods.mean_field.num_step" in msg
+    assert "'num_steps'" in msg and "'lr'" in msg  # the valid keys are listed
+
+
+@pytest.mark.parametrize(
+    "change, key, valid",
+    [
+        (("[suite]", "[suite]\nseed = [1]"), "suite.seed", "'seeds'"),
+        (("[suite]", "[plots]\nx = 1\n[suite]"), "plots", "'datasets'"),
+        (("source = \"gap\"", "source = \"gapp\""), "datasets.gap.source", "'gap'"),
+        (("num_train = 20", "num_trian = 20"), "datasets.gap.num_trian", "'num_train'"),
+        (("hidden = [5]", "hiden = [5]"), "model.hiden", "'hidden'"),
+        (("kind = \"gaussian\", precision", "kind = \"gausian\", precision"), "model.likelihood.kind", "'gaussian'"),
+        (("precision = 50.0", "precison = 50.0"), "model.likelihood.precison", "'precision'"),
+        (("[methods.map]", "[methods.mapp]"), "methods.mapp", "'map'"),
+    ],
+)
+def test_typos_are_named_with_valid_keys(change, key, valid):
+    msg = errors_of(TINY.replace(*change))
+    assert key in msg and valid in msg and "/x/my_suite.toml" in msg
+
+
+def test_all_problems_are_reported_together():
+    text = TINY.replace("num_steps = 30", "num_stepz = 30").replace("splits = [0, 1]", "splits = [-1]")
+    msg = errors_of(text)
+    assert "3 problems" in msg  # two method typos and one bad split list
+    assert "datasets.gap.splits" in msg
+
+
+@pytest.mark.parametrize(
+    "change, fragment",
+    [
+        (("num_steps = 30", 'num_steps = "30"'), "must be a number"),
+        (("seeds = [0]", "seeds = []"), "suite.seeds"),
+        (("splits = [0, 1]", 'splits = "some"'), "datasets.gap.splits"),
+        (("[datasets.gap]", "[datasets.gap]\nmethods = [\"nope\"]"), "unknown method label 'nope'"),
+        (("[datasets.gap]", "[datasets.gap]\nreference = \"nuts\""), "datasets.gap.reference"),
+        (("[datasets.gap]", "[datasets.gap]\noverrides = { nope = { lr = 0.1 } }"), "datasets.gap.overrides.nope"),
+        (("hidden = [5]", "hidden = [0]"), "model.hidden"),
+        (("hidden = [5]", 'hidden = [5]\nactivation = "gelu"'), "model.activation"),
+    ],
+)
+def test_invalid_values(change, fragment):
+    assert fragment in errors_of(TINY.replace(*change))
+
+
+def test_invalid_toml_and_missing_file(tmp_path):
+    bad = write(tmp_path, "[suite\nname = 1")
+    with pytest.raises(ConfigError, match="not valid TOML") as info:
+        load_suite(bad)
+    assert str(bad) in str(info.value)
+    with pytest.raises(FileNotFoundError, match="nope.toml"):
+        load_suite(tmp_path / "nope.toml")
+
+
+def test_every_prior_and_likelihood_is_configurable():
+    from pyrobdl.compare.config import model_components
+
+    comps = model_components()
+    assert {"gaussian"} <= set(comps["prior"])
+    assert {"gaussian", "gaussian_learned_precision", "categorical"} <= set(comps["likelihood"])
+
+
+def test_plan_check_runs_method_model_checks_before_anything(tmp_path):
+    """MAP refuses an improper prior: the plan check says so, naming dataset and method."""
+    from pyrobdl.compare.config import model_components
+
+    improper = [k for k, cls in model_components()["prior"].items() if not getattr(cls, "proper", True)]
+    if not improper:
+        pytest.skip("no improper prior registered")
+    text = TINY.replace("[methods.map]", f'[methods.map]\nmodel = {{ prior = {{ kind = "{improper[0]}" }} }}')
+    suite = parse_suite(raw(text), tmp_path / "s.toml")
+    cells = expand(suite)
+    with pytest.raises(ConfigError, match="datasets.gap x methods.map"):
+        check_plan(suite, cells, None)
+
+
+def test_precision_in_original_units_is_standardised():
+    data = load_dataset("blr", SOURCES["blr"].options, 0, None, REPO)
+    model = build_model({"hidden": [], "likelihood": {"kind": "gaussian", "precision": 4.0,
+                                                     "precision_units": "original"}}, data)
+    assert model.likelihood.precision == pytest.approx(4.0 * data.y_std**2)
+    with pytest.raises(ValueError, match="classification"):
+        build_model({"likelihood": {"kind": "categorical"}}, data)
+
+
+# ----------------------------------------------------------------------------- grid
+
+
+def test_grid_ids_references_and_hashes():
+    text = TINY.replace("[suite]", '[suite]\nreference = "map"').replace("seeds = [0]", "seeds = [0, 1]")
+    suite = parse_suite(raw(text), "/x/s.toml")
+    cells = expand(suite)
+    assert len(cells) == 2 * 2 * 2  # splits x methods x seeds
+    assert len({c.id for c in cells}) == len(cells)
+    refs = [c for c in cells if c.is_reference]
+    assert [c.id for c in refs] == ["gap__map__split-0__seed-0", "gap__map__split-1__seed-0"]
+    # every other cell points at the reference of its own split (the map seed-1 cells included)
+    for c in cells:
+        if not c.is_reference:
+            assert c.reference == f"gap__map__split-{c.split}__seed-0"
+    # full method options are resolved from the registry
+    mf = next(c for c in cells if c.method == "mean_field")
+    assert set(mf.spec["method"]["options"]) == set(pyrobdl.inference.get_method("mean_field").options)
+    again = expand(parse_suite(raw(text), "/x/s.toml"))
+    assert [c.config_hash for c in cells] == [c.config_hash for c in again]
+    changed = expand(parse_suite(raw(text.replace("num_steps = 30", "num_steps = 31", 1)), "/x/s.toml"))
+    assert {c.id for c, d in zip(cells, changed) if c.config_hash != d.config_hash} == {
+        c.id for c in cells if c.method == "mean_field"}
+
+
+def test_only_filter_adds_needed_references():
+    text = TINY.replace("[suite]", '[suite]\nreference = "map"')
+    cells = expand(parse_suite(raw(text), "/x/s.toml"))
+    chosen = select(cells, parse_only("method=mean_field,split=1"))
+    assert {c.id for c in chosen} == {"gap__map__split-1__seed-0", "gap__mean_field__split-1__seed-0"}
+    assert len(select(cells, parse_only("split=0,split=1"))) == len(cells)
+    with pytest.raises(ValueError, match="valid keys"):
+        parse_only("methd=map")
+    with pytest.raises(ValueError, match="valid values of method"):
+        select(cells, parse_only("method=nuts"))
+    with pytest.raises(ValueError, match="key=value"):
+        parse_only("map")
+
+
+# ----------------------------------------------------------------------------- sources
+
+
+def test_file_source_csv_and_npz(tmp_path):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(50, 3))
+    y = x @ np.array([1.0, -2.0, 0.5]) + 3.0
+    lines = ["a,b,target,c"] + [f"{r[0]},{r[1]},{t},{r[2]}" for r, t in zip(x, y)]
+    (tmp_path / "d.csv").write_text("\n".join(lines))
+    opts = {**SOURCES["file"].options, "path": "d.csv", "target": "target", "test_fraction": 0.2}
+    data = load_dataset("file", opts, 3, None, tmp_path)
+    assert data.x_train.shape == (40, 3) and data.x_test.shape == (10, 3)
+    # targets are standardised with training statistics and map back exactly
+    back = data.unstandardize_y(data.y_train).numpy()
+    assert np.isin(np.round(back, 4), np.round(y, 4).astype(np.float32)).all()
+    labels = (y > 3).astype(int)
+    np.savez(tmp_path / "c.npz", x=x, y=labels)
+    copts = {**opts, "path": "c.npz", "task": "classification"}
+    cdata = load_dataset("file", copts, 0, None, tmp_path)
+    assert cdata.num_classes == 2 and cdata.y_train.dtype.is_floating_point is False
+    with pytest.raises(ValueError, match="no column named 'nope'"):
+        load_dataset("file", {**opts, "target": "nope"}, 0, None, tmp_path)
+    msg = errors_of('[methods.map]\n[datasets.mine]\nsource = "file"\npath = "missing.csv"\n', str(tmp_path / "s.toml"))
+    assert "datasets.mine.path" in msg and "datasets.mine.target" in msg
+
+
+# ----------------------------------------------------------------------------- runner
+
+
+def run(suite_path: Path, out: Path, **kwargs):
+    return run_suite(load_suite(suite_path), out, progress=False, **kwargs)
+
+
+def test_run_writes_records_and_resumes(tmp_path):
+    path = write(tmp_path, TINY.replace("[suite]", '[suite]\nreference = "map"'))
+    out = tmp_path / "out"
+    summary = run(path, out)
+    assert summary.success and len(summary.ok) == 4 and not summary.skipped
+    rec = read_result(out / "cells" / "gap__mean_field__split-1__seed-0" / RESULT_FILE)
+    assert rec["status"] == "ok" and rec["reference"]["used"] is True
+    assert {"wall_time_s", "gradient_evaluations", "device"} <= set(rec["cost"])
+    assert rec["config"]["method"]["options"]["num_steps"] == 30
+    assert {"torch", "pyro", "arviz", "pyrobdl"} <= set(rec["versions"])
+    assert rec["metrics"] and all(isinstance(k, str) for k in rec["metrics"])
+    with np.load(out / "cells" / rec["id"] / "arrays.npz") as arrays:
+        assert arrays["history"].shape == (30,)
+        assert arrays["band_x"].ndim == 1 and arrays["calib_observed"].shape == arrays["calib_level"].shape
+    assert (out / "cells" / "gap__map__split-0__seed-0" / "reference_draws.pt").exists()
+    assert (out / "suite.toml").read_text() == path.read_text()
+    again = run(path, out)
+    assert again.success and not again.ok and len(again.skipped) == 4
+
+
+def test_resume_after_simulated_crash(tmp_path):
+    """A cell killed before its record was renamed into place is rerun; the others are not."""
+    path = write(tmp_path, TINY)
+    out = tmp_path / "out"
+    run(path, out)
+    victim = out / "cells" / "gap__map__split-1__seed-0"
+    (victim / RESULT_FILE).unlink()
+    (victim / ".result.json.tmp-999-abcd").write_text('{"schema": "trunc')  # a torn write
+    mtimes = {p: p.stat().st_mtime_ns for p in out.glob(f"cells/*/{RESULT_FILE}")}
+    summary = run(path, out)
+    assert summary.ok == ("gap__map__split-1__seed-0",) and len(summary.skipped) == 3
+    assert not list(out.glob("cells/*/.*.tmp-*"))
+    assert all(p.stat().st_mtime_ns == t for p, t in mtimes.items())
+
+
+def test_corrupt_and_stale_records_stop_the_run_or_are_set_aside(tmp_path):
+    path = write(tmp_path, TINY)
+    out = tmp_path / "out"
+    run(path, out)
+    bad = out / "cells" / "gap__map__split-0__seed-0" / RESULT_FILE
+    bad.write_text("{ not json")
+    with pytest.raises(ResultsError, match="corrupt result file .*gap__map__split-0__seed-0"):
+        run(path, out)
+    summary = run(path, out, rerun_invalid=True)
+    assert summary.ok == ("gap__map__split-0__seed-0",)
+    assert list(bad.parent.glob("result.json.invalid-*"))
+    changed = write(tmp_path, TINY.replace("num_steps = 30\n\n[datasets", "num_steps = 31\n\n[datasets"))
+    with pytest.raises(ResultsError, match="different configuration"):
+        run(changed, out)
+
+
+@pytest.fixture
+def failing_method(monkeypatch):
+    """A registered method that raises on split 1 only (the data seed shows in y_train)."""
+    base = pyrobdl.inference.get_method("map")
+    first = {}
+
+    def run_fn(model, x, y, options, progress):
+        key = float(y[0])
+        first.setdefault("split0", key)
+        if key != first["split0"]:
+            raise RuntimeError("boom on purpose")
+        return base.run(model, x, y, {**options, "num_steps": 5}, progress)
+
+    monkeypatch.setitem(registry._REGISTRY, "flaky", Method("flaky", dict(base.options), run_fn, "test only"))
+    return "flaky"
+
+
+def test_failing_cell_is_recorded_and_others_continue(tmp_path, failing_method):
+    path = write(tmp_path, TINY + "\n[methods.flaky]\nnum_steps = 5\n")
+    out = tmp_path / "out"
+    summary = run(path, out)
+    assert not summary.success
+    assert summary.failed == ("gap__flaky__split-1__seed-0",)
+    assert len(summary.ok) == 5
+    rec = read_result(out / "cells" / "gap__flaky__split-1__seed-0" / RESULT_FILE)
+    assert rec["status"] == "failed" and rec["error"]["stage"] == "fit"
+    assert "boom on purpose" in rec["error"]["message"] and "Traceback" in rec["error"]["traceback"]
+
+
+def test_failed_reference_leaves_cells_incomplete_then_resumes(tmp_path, failing_method):
+    text = TINY.replace("[suite]", '[suite]\nreference = "flaky"') + "\n[methods.flaky]\nnum_steps = 5\n"
+    path = write(tmp_path, text)
+    out = tmp_path / "out"
+    summary = run(path, out)
+    assert "gap__flaky__split-1__seed-0" in summary.failed
+    rec = read_result(out / "cells" / "gap__map__split-1__seed-0" / RESULT_FILE)
+    assert rec["status"] == "ok" and rec["reference"]["used"] is False and "unavailable" in rec["reference"]["note"]
+    # the reference fails again on resume, so its dependants stay incomplete and are retried
+    summary = run(path, out)
+    assert set(summary.ok) == {"gap__map__split-1__seed-0", "gap__mean_field__split-1__seed-0"}
+
+
+def test_futures_executor_gives_the_same_records(tmp_path):
+    path = write(tmp_path, TINY)
+    with cf.ThreadPoolExecutor(max_workers=1) as pool:
+        summary = run(path, tmp_path / "a", executor=FuturesExecutor(pool))
+    run(path, tmp_path / "b")
+    assert summary.success and len(summary.ok) == 4
+    for cell in (tmp_path / "a" / "cells").iterdir():
+        a = read_result(cell / RESULT_FILE)
+        b = read_result(tmp_path / "b" / "cells" / cell.name / RESULT_FILE)
+        assert a["metrics"] == b["metrics"]  # same seeds, same numbers
+    with pytest.raises(TypeError, match="concurrent.futures.Executor"):
+        FuturesExecutor(object())
+
+
+def test_atomic_write_leaves_old_file_on_error(tmp_path):
+    target = tmp_path / "f.json"
+    target.write_text("old")
+
+    def broken(tmp: Path) -> None:
+        tmp.write_text("half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError):
+        atomic_write(target, broken)
+    assert target.read_text() == "old" and list(tmp_path.iterdir()) == [target]
+
+
+SLEEPY = """
+import sys, time
+import pyrobdl
+from pyrobdl.inference import registry
+from pyrobdl.inference.registry import Method
+base = pyrobdl.inference.get_method("map")
+def run_fn(model, x, y, options, progress):
+    if {sleep} and float(y[0]) != {y0}:
+        time.sleep(60)
+    return base.run(model, x, y, options, progress)
+registry.register_method(Method("sleepy", dict(base.options), run_fn, "test only"))
+from pyrobdl.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_kill_dash_nine_mid_cell_loses_only_that_cell(tmp_path):
+    """A real SIGKILL while the second cell is fitting: a rerun keeps the first, reruns the second."""
+    path = write(tmp_path, TINY.replace("[methods.mean_field]\nnum_steps = 30\n\n[methods.map]\nnum_steps = 30",
+                                        "[methods.sleepy]\nnum_steps = 5"))
+    from pyrobdl.datasets import gap_regression
+
+    y0 = float(gap_regression(20, 30, seed=0).y_train[0])
+    out = tmp_path / "out"
+    script = tmp_path / "sleepy.py"
+    script.write_text(SLEEPY.replace("{sleep}", "True").replace("{y0}", repr(y0)))
+    proc = subprocess.Popen([sys.executable, str(script), "compare", str(path), "--out", str(out), "--no-progress"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = out / "cells" / "gap__sleepy__split-0__seed-0" / RESULT_FILE
+    deadline = time.time() + 120
+    while not first.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    time.sleep(1.0)  # well inside the second cell's 60 s fit
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert first.exists()
+    assert not (out / "cells" / "gap__sleepy__split-1__seed-0" / RESULT_FILE).exists()
+    script.write_text(SLEEPY.replace("{sleep}", "False").replace("{y0}", repr(y0)))
+    done = subprocess.run([sys.executable, str(script), "compare", str(path), "--out", str(out), "--no-progress"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "1 cell(s) ran ok, 0 failed, 1 already done" in done.stdout
+
+
+# ----------------------------------------------------------------------------- quickstart
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + " }"
+    raise TypeError(v)
+
+
+def dump_toml(doc: dict) -> str:
+    """Just enough TOML for suites: top-level tables of scalars, lists and inline tables."""
+    lines = []
+    for top, body in doc.items():
+        nested = {k: v for k, v in body.items() if isinstance(v, dict) and top in ("methods", "datasets")}
+        plain = {k: v for k, v in body.items() if k not in nested}
+        if plain:
+            lines.append(f"[{top}]")
+            lines += [f"{k} = {_toml_value(v)}" for k, v in plain.items()]
+        for name, table in nested.items():
+            lines.append(f"[{top}.{name}]")
+            lines += [f"{k} = {_toml_value(v)}" for k, v in table.items()]
+    return "\n".join(lines) + "\n"
+
+
+def small_quickstart(tmp_path: Path) -> Path:
+    """comparisons/quickstart.toml with CI-sized settings (same datasets, methods and reference)."""
+    doc = tomllib.loads((REPO / "comparisons" / "quickstart.toml").read_text())
+    doc["suite"]["num_eval_samples"] = 30
+    for ds in doc["datasets"].values():
+        ds.update({k: v for k, v in {"num_train": 30, "num_test": 40}.items() if k in ds})
+    for table in doc["methods"].values():
+        for key, small in {"num_steps": 40, "num_warmup": 15, "num_samples": 15, "num_chains": 1,
+                           "max_tree_depth": 3, "map_num_steps": 20, "num_particles": 4}.items():
+            if key in table:
+                table[key] = small
+    return write(tmp_path, dump_toml(doc), "quickstart_small.toml")
+
+
+def test_quickstart_names_every_registered_method():
+    doc = tomllib.loads((REPO / "comparisons" / "quickstart.toml").read_text())
+    named = {t.get("method", label) for label, t in doc["methods"].items()}
+    assert set(pyrobdl.methods()) <= named, f"quickstart.toml misses {set(pyrobdl.methods()) - named}"
+
+
+def test_quickstart_suite_end_to_end_small(tmp_path):
+    """The README's job (compare + report) on the quickstart suite, CI-sized (< ~30 s)."""
+    from pyrobdl.cli import main
+
+    path = small_quickstart(tmp_path)
+    out = tmp_path / "results"
+    assert main(["compare", str(path), "--out", str(out), "--no-progress"]) == 0
+    assert main(["report", str(out)]) == 0
+    records = [read_result(p) for p in out.glob(f"cells/*/{RESULT_FILE}")]
+    suite = load_suite(path)
+    assert len(records) == len(expand(suite))
+    assert all(r["status"] == "ok" for r in records), [r["error"] for r in records if r["status"] != "ok"]
+    html = (out / "report.html").read_text()
+    for label in (m.label for m in suite.methods):
+        assert label in html

@@ -1,0 +1,402 @@
+"""NUTS and HMC: exact posteriors of Bayesian linear regression, the posterior contract, the
+sampler's bookkeeping (gradient counts, seeds), and reference posteriors on disk."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pyro
+import pytest
+import torch
+from conftest import DEVICES
+from pyro.infer.autoguide.initialization import init_to_sample
+from pyro.infer.mcmc.util import initialize_model
+
+import pyrobdl
+from pyrobdl.datasets import bayesian_linear_regression
+from pyrobdl.diagnostics.arviz_adapter import convergence
+from pyrobdl.inference import MCMCPosterior, load_reference, run_reference
+from pyrobdl.inference.mcmc import _direct_potential, chain_seeds
+
+PRECISION = 10.0
+PRIOR_SCALE = 1.0
+# Monte Carlo tolerance: an estimate may be Z standard errors (sd / sqrt(ESS), with ArviZ's bulk
+# ESS of the very quantity averaged) from the exact value.  Z = 4 is a 6e-5 two-sided chance per
+# check, about 1e-3 over the ~15 checks of one test, leaving room for ESS estimation error.
+Z = 4.0
+# ... and the check is only meaningful if the standard error is small: with ESS >= 100 the
+# tolerance on a mean is at most 0.4 posterior sd.
+MIN_ESS = 100.0
+# The issue's convergence requirement.
+GOOD_RHAT = 1.05
+# Short runs for the bookkeeping tests (shapes, counts, seeds): statistics are not checked there.
+TINY = dict(num_warmup=10, num_samples=8, progress=False)
+
+
+@pytest.fixture(scope="module")
+def blr():
+    return bayesian_linear_regression(100, 20, 3, prior_scale=PRIOR_SCALE, precision=PRECISION, seed=0)
+
+
+def blr_model(likelihood=None) -> pyrobdl.BayesianMLP:
+    return pyrobdl.BayesianMLP(
+        3, (), 1, prior=pyrobdl.priors.Gaussian(PRIOR_SCALE),
+        likelihood=likelihood or pyrobdl.likelihoods.Gaussian(PRECISION),
+    )
+
+
+def small_mlp(likelihood=None, out_features: int = 1) -> pyrobdl.BayesianMLP:
+    return pyrobdl.BayesianMLP(2, (4,), out_features, activation="tanh", likelihood=likelihood)
+
+
+def small_data(n: int = 20, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 2, generator=g)
+    return x, torch.sin(x[:, 0]) + 0.1 * torch.randn(n, generator=g)
+
+
+def blr_draws(posterior: MCMCPosterior) -> np.ndarray:
+    """Draws of (w_1, w_2, w_3, b), the exact posterior's coordinate order, ``[C, D, 4]``."""
+    s = posterior.samples
+    c, d = posterior.num_chains, posterior.num_draws
+    return torch.cat([s["layers.0.weight"].reshape(c, d, -1), s["layers.0.bias"].reshape(c, d, -1)], -1).double().numpy()
+
+
+def assert_moments(draws: np.ndarray, mean: np.ndarray, cov: np.ndarray) -> None:
+    """Posterior mean and covariance within Z Monte Carlo standard errors, and R-hat < 1.05."""
+    conv = convergence(draws)
+    assert conv["rhat"].max() < GOOD_RHAT, conv["rhat"]
+    assert conv["ess_bulk"].min() >= MIN_ESS, conv["ess_bulk"]
+    sd = np.sqrt(np.diag(cov))
+    err = np.abs(draws.mean((0, 1)) - mean)
+    assert (err <= Z * sd / np.sqrt(conv["ess_bulk"])).all(), (err / sd, conv["ess_bulk"])
+    # Sigma_ij = E[(t_i - mu_i)(t_j - mu_j)] with the exact mu: the Monte Carlo average of the
+    # products estimates it, with standard error sd(product) / sqrt(ESS of the product).
+    i, j = np.triu_indices(len(mean))
+    centred = draws - mean
+    prods = centred[..., i] * centred[..., j]
+    conv_p = convergence(prods)
+    assert conv_p["ess_bulk"].min() >= MIN_ESS, conv_p["ess_bulk"]
+    mcse = prods.std((0, 1)) / np.sqrt(conv_p["ess_bulk"])
+    err_p = np.abs(prods.mean((0, 1)) - cov[i, j])
+    assert (err_p <= Z * mcse).all(), (err_p / mcse, cov[i, j])
+
+
+# --------------------------------------------------------------------- exact posteriors (BLR)
+# HMC with a fixed trajectory length spends ~90% of a short warm-up's gradients before the mass
+# matrix is adapted (~50 steps per iteration at the unscaled step size); three fixed steps per
+# iteration keep the default test cheap, the slow test below covers the default trajectory.
+@pytest.mark.parametrize("method, extra", [("nuts", {}), ("hmc", {"num_steps": 3})])
+def test_blr_exact_posterior(blr, method, extra):
+    # the direct potential keeps this fast; test_direct_potential_* prove it equals Pyro's
+    posterior = pyrobdl.fit(blr_model(), blr.x_train, blr.y_train, method=method, num_warmup=100,
+                            num_samples=250, num_chains=2, potential="direct", progress=False, **extra)
+    assert_moments(blr_draws(posterior), blr.posterior.mean.numpy(), blr.posterior.covariance.numpy())
+    assert posterior.diagnostics["weight_space"]["rhat_max"] < GOOD_RHAT
+    assert posterior.diagnostics["function_space"]["rhat_max"] < GOOD_RHAT
+    assert sum(posterior.diagnostics["divergences"]) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["nuts", "hmc"])
+def test_blr_exact_posterior_default_settings(blr, method):
+    """Pyro's traced potential, four chains, the default init, longer runs."""
+    posterior = pyrobdl.fit(blr_model(), blr.x_train, blr.y_train, method=method, num_warmup=300,
+                            num_samples=500, progress=False)
+    assert posterior.num_chains == 4
+    assert_moments(blr_draws(posterior), blr.posterior.mean.numpy(), blr.posterior.covariance.numpy())
+
+
+def exact_precision_posterior(x: torch.Tensor, y: torch.Tensor, a: float, b: float) -> tuple[float, float]:
+    r"""Mean and sd of p(tau | y) for BLR with N(0, s^2) weights and bias, Gamma(a, b) on tau.
+
+    y | tau ~ N(0, K + I / tau) with K = s^2 Phi Phi^T; quadrature on a fine grid of tau.
+    """
+    phi = np.concatenate([x.double().numpy(), np.ones((x.shape[0], 1))], 1)
+    lam, u = np.linalg.eigh(PRIOR_SCALE**2 * phi @ phi.T)
+    r2 = (u.T @ y.double().numpy()) ** 2
+    tau = np.linspace(0.5, 40.0, 20000)
+    var = lam[None, :] + 1.0 / tau[:, None]
+    log_post = (a - 1) * np.log(tau) - b * tau - 0.5 * np.log(var).sum(1) - 0.5 * (r2 / var).sum(1)
+    w = np.exp(log_post - log_post.max())
+    w /= w.sum()
+    mean = float((w * tau).sum())
+    return mean, float(np.sqrt((w * (tau - mean) ** 2).sum()))
+
+
+def test_learned_precision_posterior():
+    data = bayesian_linear_regression(200, 10, 3, prior_scale=PRIOR_SCALE, precision=PRECISION, seed=1)
+    a, b = 2.0, 0.2  # prior mean 10, sd 7: weak next to 200 points
+    model = blr_model(pyrobdl.likelihoods.GaussianLearnedPrecision(a, b))
+    posterior = pyrobdl.fit(model, data.x_train, data.y_train, method="nuts", num_warmup=75,
+                            num_samples=150, num_chains=2, potential="direct", progress=False)
+    tau = posterior.samples["precision"].double().numpy()
+    assert tau.shape == (2, 150) and (tau > 0).all()
+    exact_mean, exact_sd = exact_precision_posterior(data.x_train, data.y_train, a, b)
+    conv = convergence(tau)
+    assert conv["rhat"] < GOOD_RHAT and conv["ess_bulk"] >= MIN_ESS
+    assert abs(tau.mean() - exact_mean) <= Z * tau.std() / math.sqrt(conv["ess_bulk"])
+    assert abs(tau.std() / exact_sd - 1) < 0.25  # sd of an sd estimate ~ 1/sqrt(2 ESS) <= 0.07
+    # easy data: the truth lies within 3 posterior sd
+    assert abs(exact_mean - PRECISION) < 3 * exact_sd
+    assert set(posterior.diagnostics["latents"]) == {"precision"}
+
+
+# ------------------------------------------------------------------------- posterior contract
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("method", ["nuts", "hmc"])
+def test_small_mlp_contract(method, device):
+    x, y = small_data()
+    model = small_mlp(pyrobdl.likelihoods.GaussianLearnedPrecision())
+    posterior = pyrobdl.fit(model, x, y, method=method, num_chains=2, max_tree_depth=4, device=device, **TINY) \
+        if method == "nuts" else pyrobdl.fit(model, x, y, method=method, num_chains=2, num_steps=5,
+                                             device=device, **TINY)
+    assert isinstance(posterior, MCMCPosterior) and posterior.method == method
+    x_test = torch.randn(7, 2)
+    for s in (5, 16, 40):  # fewer than, exactly, and more than the 16 stored draws
+        pred = posterior.predict(x_test, num_samples=s)
+        assert pred.samples.shape == (s, 7, 1)
+        for t in (pred.mean, pred.variance, pred.epistemic_variance, pred.aleatoric_variance):
+            assert t.shape == (7, 1) and torch.isfinite(t).all()
+        assert pred.log_likelihood(torch.zeros(7)).shape == (s, 7)
+    draws = posterior.sample(16)
+    assert draws["layers.0.weight"].shape == (16, 4, 2) and draws["precision"].shape == (16,)
+    # 16 draws of 16: every stored draw once, in chain-major order; deterministic
+    assert torch.equal(draws["layers.1.bias"], posterior.samples["layers.1.bias"].reshape(16, 1))
+    assert torch.equal(posterior.sample(40)["precision"][16:32], draws["precision"])
+    cost = posterior.cost
+    assert cost.device.startswith(device) and cost.wall_time_s > 0 and cost.peak_memory_bytes > 0
+    d = posterior.diagnostics
+    for key in ("divergences", "step_size", "accept_prob", "acceptance_rate", "leapfrog_steps_warmup",
+                "leapfrog_steps_sampling", "other_gradient_evaluations"):
+        assert len(d[key]) == 2, key
+    assert ("mean_tree_depth" in d) == (method == "nuts")
+    assert d["function_space"]["num_points"] == 20 and d["weight_space"]["num_quantities"] == 8 + 4 + 4 + 1 + 1
+    assert posterior.trace.num_steps.shape == (2, 18)
+    conv = posterior.function_space_convergence(x_test)
+    assert conv["rhat"].shape == (7, 1) and conv["ess_bulk"].shape == (7, 1)
+    json.dumps(d)  # plain numbers and lists: a result record can store them as they are
+
+
+def test_arviz_hooks_return_the_stored_chains():
+    x, y = small_data()
+    posterior = pyrobdl.fit(small_mlp(), x, y, method="nuts", num_chains=2, max_tree_depth=3, **TINY)
+    chains = posterior._chains(1)
+    assert chains["layers.0.weight"].shape == (2, 8, 4, 2)
+    stats = posterior._sample_stats(1)
+    assert set(stats) == {"diverging", "step_size", "n_steps", "acceptance_rate", "lp", "tree_depth"}
+    assert all(v.shape == (2, 8) for v in stats.values())
+    np.testing.assert_array_equal(stats["n_steps"], posterior.trace.num_steps[:, 10:])
+    idata = posterior.to_inference_data(x, y)
+    assert idata.posterior.sizes["chain"] == 2 and idata.posterior.sizes["draw"] == 8
+    assert idata.sample_stats["tree_depth"].shape == (2, 8)
+
+
+def test_classification_contract():
+    x, _ = small_data()
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
+    model = small_mlp(pyrobdl.likelihoods.Categorical(), out_features=3)
+    posterior = pyrobdl.fit(model, x, y, method="nuts", num_chains=2, max_tree_depth=4, **TINY)
+    pred = posterior.predict(x[:5], num_samples=10)
+    assert pred.samples.shape == (10, 5, 3) and pred.aleatoric_variance is None
+    torch.testing.assert_close(pred.mean.sum(-1), torch.ones(5))
+    # function-space diagnostics on class probabilities
+    assert posterior.function_space_convergence(x[:5])["rhat"].shape == (5, 3)
+
+
+# -------------------------------------------------------------------------- errors up front
+def test_improper_prior_raises_before_running(monkeypatch):
+    import pyrobdl.inference.mcmc as mcmc
+
+    monkeypatch.setattr(mcmc, "initialize_model", lambda *a, **k: pytest.fail("sampling started"))
+    model = pyrobdl.BayesianMLP(2, (3,), 1, prior=pyrobdl.priors.LogUniform())
+    x, y = small_data()
+    for method in ("nuts", "hmc"):
+        with pytest.raises(ValueError, match="improper"):
+            pyrobdl.fit(model, x, y, method=method, progress=False)
+
+
+@pytest.mark.parametrize(
+    "method, options, match",
+    [
+        ("nuts", {"init_strategy": "uniform"}, r"init_strategy.*valid: \['median', 'sample', 'map'\]"),
+        ("nuts", {"potential": "jax"}, "potential"),
+        ("nuts", {"potential": "direct", "jit_compile": True}, "jit_compile"),
+        ("nuts", {"num_chains": 0}, "num_chains"),
+        ("nuts", {"num_warmup": -1}, "num_warmup"),
+        ("nuts", {"target_accept_prob": 1.0}, "target_accept_prob"),
+        ("nuts", {"max_tree_depth": 0}, "max_tree_depth"),
+        ("nuts", {"trajectory_length": 1.0}, "does not take"),
+        ("hmc", {"max_tree_depth": 5}, "does not take"),
+        ("hmc", {"trajectory_length": -1.0}, "trajectory_length"),
+        ("hmc", {"num_steps": 0}, "num_steps"),
+        ("hmc", {"step_size": float("nan")}, "step_size"),
+    ],
+)
+def test_bad_options_raise_before_running(monkeypatch, method, options, match):
+    import pyrobdl.inference.mcmc as mcmc
+
+    monkeypatch.setattr(mcmc, "initialize_model", lambda *a, **k: pytest.fail("sampling started"))
+    x, y = small_data()
+    with pytest.raises(ValueError, match=match):
+        pyrobdl.fit(small_mlp(), x, y, method=method, progress=False, **options)
+
+
+def test_bool_options_must_be_bool():
+    x, y = small_data()
+    with pytest.raises(TypeError, match="jit_compile"):
+        pyrobdl.fit(small_mlp(), x, y, method="nuts", jit_compile=1, progress=False)
+
+
+# ------------------------------------------------------------------------ seeds and counting
+def test_chains_reproducible_from_seed():
+    x, y = small_data()
+    kw = dict(method="nuts", max_tree_depth=3, num_warmup=4, num_samples=4, progress=False)
+    runs = [pyrobdl.fit(small_mlp(), x, y, num_chains=3, seed=s, **kw) for s in (3, 3, 4)]
+    a, b, c = (r.samples["layers.0.weight"] for r in runs)
+    assert torch.equal(a, b)
+    assert not torch.allclose(a, c)
+    assert not torch.allclose(a[0], a[1])  # chains are seeded differently
+    np.testing.assert_array_equal(runs[0].trace.num_steps, runs[1].trace.num_steps)
+    # a chain's seed does not depend on how many chains there are
+    assert chain_seeds(3, 2) == chain_seeds(3, 3)[:2]
+    two = pyrobdl.fit(small_mlp(), x, y, num_chains=2, seed=3, **kw)
+    assert torch.equal(two.samples["layers.0.weight"], a[:2])
+
+
+def test_hmc_counts_every_leapfrog_step():
+    x, y = small_data()
+    posterior = pyrobdl.fit(small_mlp(), x, y, method="hmc", num_warmup=5, num_samples=10, num_chains=2,
+                            adapt_step_size=False, step_size=0.05, num_steps=7, progress=False)
+    assert posterior.cost.gradient_evaluations == 2 * 15 * 7
+    assert (posterior.trace.num_steps == 7).all()
+    # the one gradient at each chain's start, no step-size search
+    assert posterior.diagnostics["other_gradient_evaluations"] == [1, 1]
+    assert posterior.diagnostics["leapfrog_steps_sampling"] == [70, 70]
+    assert posterior.trace.tree_depth is None
+
+
+def test_hmc_trajectory_length_sets_steps():
+    x, y = small_data()
+    posterior = pyrobdl.fit(small_mlp(), x, y, method="hmc", num_warmup=0, num_samples=5, num_chains=1,
+                            adapt_step_size=False, step_size=0.1, trajectory_length=0.75, progress=False)
+    assert (posterior.trace.num_steps == 8).all()  # ceil(0.75 / 0.1), as NumPyro
+
+
+def test_nuts_trace_is_consistent():
+    x, y = small_data()
+    posterior = pyrobdl.fit(small_mlp(), x, y, method="nuts", num_chains=2, max_tree_depth=3, **TINY)
+    tr, d = posterior.trace, posterior.diagnostics
+    assert posterior.cost.gradient_evaluations == tr.num_steps.sum()
+    assert d["leapfrog_steps_warmup"] == tr.num_steps[:, :10].sum(1).tolist()
+    assert (tr.num_steps >= 1).all() and (tr.num_steps <= 2**3 - 1).all()
+    np.testing.assert_array_equal(tr.tree_depth, [[int(n).bit_length() for n in row] for row in tr.num_steps])
+    assert ((tr.accept_prob >= 0) & (tr.accept_prob <= 1 + 1e-6)).all()
+    assert np.isfinite(tr.log_joint).all()
+    assert min(d["other_gradient_evaluations"]) >= 1  # the start, plus step-size searches
+
+
+def test_map_init_goes_through_the_registry():
+    x, y = small_data()
+    posterior = pyrobdl.fit(small_mlp(), x, y, method="nuts", num_chains=2, max_tree_depth=3,
+                            init_strategy="map", map_num_steps=30, **TINY)
+    d = posterior.diagnostics
+    assert d["map_gradient_evaluations"] == 2 * 30  # one MAP fit per chain, one particle per step
+    assert posterior.cost.gradient_evaluations == posterior.trace.num_steps.sum() + 60
+
+
+@pytest.mark.parametrize("init", ["median", "sample"])
+def test_init_strategies_run(init):
+    x, y = small_data()
+    posterior = pyrobdl.fit(small_mlp(), x, y, method="hmc", num_chains=1, num_steps=3, init_strategy=init, **TINY)
+    assert posterior.num_draws == 8
+
+
+# ------------------------------------------------------------------------- direct potential
+def test_direct_potential_equals_pyros_traced_potential():
+    x, y = small_data()
+    model = small_mlp(pyrobdl.likelihoods.GaussianLearnedPrecision(3.0, 2.0))
+    _, traced, transforms, _ = initialize_model(model, (x, y), init_strategy=init_to_sample)
+    direct = _direct_potential(model, x, y, transforms)
+    for seed in range(3):
+        pyro.set_rng_seed(seed)
+        z, _, _, _ = initialize_model(model, (x, y), init_strategy=init_to_sample)
+        z = {k: v.requires_grad_() for k, v in z.items()}
+        a, b = direct(z), traced(z)
+        ga = torch.autograd.grad(a, list(z.values()))
+        gb = torch.autograd.grad(b, list(z.values()))
+        torch.testing.assert_close(a, b)
+        for u, v in zip(ga, gb):
+            torch.testing.assert_close(u, v)
+
+
+def test_direct_and_traced_potentials_give_the_same_chain():
+    x, y = small_data()
+    kw = dict(method="nuts", num_chains=1, max_tree_depth=4, **TINY)
+    a = pyrobdl.fit(small_mlp(), x, y, potential="trace", **kw)
+    b = pyrobdl.fit(small_mlp(), x, y, potential="direct", **kw)
+    for k in a.samples:
+        torch.testing.assert_close(a.samples[k], b.samples[k], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_jit_compile_gives_the_same_chain():
+    x, y = small_data()
+    kw = dict(method="nuts", num_chains=2, max_tree_depth=4, **TINY)
+    a = pyrobdl.fit(small_mlp(), x, y, jit_compile=False, **kw)
+    b = pyrobdl.fit(small_mlp(), x, y, jit_compile=True, **kw)
+    for k in a.samples:
+        torch.testing.assert_close(a.samples[k], b.samples[k], atol=1e-5, rtol=1e-4)
+
+
+# -------------------------------------------------------------------------- reference files
+@pytest.fixture
+def reference(tmp_path):
+    x, y = small_data()
+    model = small_mlp(pyrobdl.likelihoods.GaussianLearnedPrecision())
+    x_eval = torch.randn(6, 2, generator=torch.Generator().manual_seed(5))
+    ref = run_reference(model, x, y, x_eval, tmp_path / "ref.npz", thin=3, num_chains=2, max_tree_depth=3, **TINY)
+    return model, x_eval, ref
+
+
+def test_reference_round_trip(reference):
+    model, x_eval, ref = reference
+    assert ref.function_draws.shape == (16, 6, 1) and ref.latents["precision"].shape == (16,)
+    assert ref.draws["layers.0.weight"].shape == (2, 3, 4, 2)  # draws 0, 3, 6 of each chain
+    loaded = load_reference(ref.path)  # no model: the likelihood is rebuilt from the sidecar
+    assert type(loaded.likelihood) is type(model.likelihood)
+    pred = loaded.prediction()
+    assert pred.samples.shape == (16, 6, 1)
+    torch.testing.assert_close(loaded.x_eval, x_eval)
+    y = torch.zeros(6)
+    torch.testing.assert_close(pred.log_likelihood(y), ref.prediction().log_likelihood(y))
+    # the thinned weights pushed through the network again give the stored function draws
+    thinned = ref.posterior(model).predict(x_eval, num_samples=6)
+    torch.testing.assert_close(thinned.samples, pred.samples.reshape(2, 8, 6, 1)[:, ::3].reshape(6, 6, 1))
+    meta = loaded.metadata
+    assert meta["method"] == "nuts" and meta["num_chains"] == 2 and meta["thin"] == 3
+    assert meta["cost"]["gradient_evaluations"] > 0 and "function_space" in meta["diagnostics"]
+
+
+def test_reference_files_are_checked(reference, tmp_path):
+    model, x_eval, ref = reference
+    x, y = small_data()
+    with pytest.raises(FileExistsError, match="ref.npz"):
+        run_reference(model, x, y, x_eval, ref.path, **TINY)
+    with pytest.raises(ValueError, match="different model"):
+        load_reference(ref.path, model=pyrobdl.BayesianMLP(2, (5,), 1))
+    data = bytearray(ref.path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    ref.path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=str(ref.path)):
+        load_reference(ref.path)
+    ref.path.with_suffix(".json").write_text("{not json")
+    with pytest.raises(ValueError, match="ref.json"):
+        load_reference(ref.path)
+    with pytest.raises(FileNotFoundError, match="missing.npz"):
+        load_reference(tmp_path / "missing.npz")
+    with pytest.raises(ValueError, match=".npz"):
+        run_reference(model, x, y, x_eval, tmp_path / "ref.pt", **TINY)
+    assert not list(tmp_path.glob(".*.tmp"))  # no temporary files left behind

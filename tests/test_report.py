@@ -1,0 +1,175 @@
+"""The report, built from stored records only (hand-written here: no fitting)."""
+
+from __future__ import annotations
+
+import math
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pyrobdl.compare import ResultsError
+from pyrobdl.compare.store import SCHEMA, atomic_save_npz, atomic_write_json
+from pyrobdl.report import PUBLISHED, build_model, build_report
+from pyrobdl.report.tables import mean_se, published_table, reference_metric_keys
+
+REFERENCES_MD = Path(__file__).resolve().parents[2] / "shared" / "REFERENCES.md"
+CHROMIUM = Path("/usr/bin/chromium")
+
+
+def record(dataset, method, split, *, metrics, status="ok", source="uci", name="boston", reference_used=False,
+           published=(), diagnostics=None, history=None, band=False, calib=True, gv=None, hidden=(50,)):
+    cid = f"{dataset}__{method}__split-{split}__seed-0"
+    return cid, {
+        "schema": SCHEMA, "id": cid, "status": status, "suite": "fake", "dataset": dataset, "method": method,
+        "method_name": method, "split": split, "seed": 0, "is_reference": False, "config_hash": "h",
+        "config": {"dataset": {"label": dataset, "source": source, "options": {"name": name}},
+                   "model": {"hidden": list(hidden)}, "method": {"label": method, "name": method, "options": {}}},
+        "published": list(published), "metrics": metrics,
+        "cost": {"wall_time_s": 2.0 + split, "gradient_evaluations": 1000, "epochs": 1000.0,
+                 "peak_memory_bytes": 1, "device": "cpu"},
+        "reference": {"cell": None, "used": reference_used, "note": ""},
+        "diagnostics": diagnostics or {}, "gradient_variance": gv, "warnings": [],
+        "error": None if status == "ok" else {"type": "RuntimeError", "message": "boom", "stage": "fit",
+                                               "traceback": "Traceback"},
+        "artifacts": {"arrays": "arrays.npz"}, "versions": {"torch": "x"}, "host": "h", "wall_time_s": 3.0,
+        "data": {"task": "regression", "num_train": 10, "num_test": 5, "in_features": 1},
+    }, {
+        "history": np.asarray(history if history is not None else np.linspace(-100, -10, 50)),
+        **({"band_x": np.linspace(-1, 1, 20), "band_mean": np.zeros(20), "band_sd": np.ones(20),
+            "band_sd_epistemic": 0.5 * np.ones(20), "train_x": np.zeros(3), "train_y": np.zeros(3),
+            "test_x": np.zeros(3), "test_y": np.zeros(3)} if band else {}),
+        **({"calib_level": np.array([0.5, 0.9]), "calib_observed": np.array([0.4, 0.8])} if calib else {}),
+    }
+
+
+def store(out: Path, items) -> Path:
+    for cid, rec, arrays in items:
+        atomic_write_json(out / "cells" / cid / "result.json", rec)
+        atomic_save_npz(out / "cells" / cid / "arrays.npz", arrays)
+    return out
+
+
+@pytest.fixture
+def results(tmp_path):
+    """Two methods on boston (2 splits), one on a 1-D set, an MCMC-like reference, a failure."""
+    items = [
+        record("boston", "dropout", 0, metrics={"rmse": 3.0, "test_ll": -2.5, "w2": 0.1}, reference_used=True,
+               published=["gal2016_mc_dropout"]),
+        record("boston", "dropout", 1, metrics={"rmse": 5.0, "test_ll": -2.3, "w2": 0.3}, reference_used=True,
+               published=["gal2016_mc_dropout"]),
+        record("boston", "nuts", 0, metrics={"rmse": 2.9, "test_ll": -2.4},
+               diagnostics={"divergences": [0, 2], "step_size": [0.1, 0.3], "function_space": {"rhat_max": 1.01}}),
+        record("boston", "mean_field", 0, metrics={}, status="failed"),
+        record("gap", "mean_field", 0, metrics={"rmse": 0.1, "test_ll": 0.5}, source="gap", name="", band=True,
+               gv=[{"estimator": "reparameterization", "variance": 0.5}, {"estimator": "score_function", "variance": 50.0}]),
+    ]
+    return store(tmp_path / "res", items)
+
+
+def test_mean_and_standard_error():
+    m, se, n = mean_se([3.0, 5.0, float("nan")])
+    assert (m, n) == (4.0, 2)
+    assert se == pytest.approx(np.std([3.0, 5.0], ddof=1) / math.sqrt(2))
+    assert math.isnan(mean_se([1.0])[1])
+
+
+def test_report_from_stored_results(results):
+    files = build_report(results)
+    html = files.html.read_text()
+    md = files.markdown.read_text()
+    assert files.cells == 5 and files.failed == 1
+    # mean ± s.e. over the two dropout splits: rmse 4 ± 1
+    assert "4 ± 1" in md and "4 ± 1" in html
+    # the published MC-dropout row sits beside ours, with its source
+    assert "MC dropout (Gal 2016) [published; cf. dropout]" in md
+    assert "2.97 ± 0.19" in md and "Gal &amp; Ghahramani 2016" in html
+    # the failure is listed with its stage and message
+    assert "boston__mean_field__split-0__seed-0 | failed | fit | RuntimeError: boom" in md
+    # agreement with the reference: w2 only exists where a reference was used
+    assert "### Agreement with the reference posterior" in md
+    # MCMC diagnostics, nested ones flattened; gradient-variance rows
+    assert "divergences" in md and "function_space.rhat_max" in md
+    assert "score_function" in md and "Gradient variance" in md
+    # figures: quality vs cost and calibration for boston; bands, calibration, ELBO for gap
+    assert len(re.findall(r'<img [^>]*src="data:image/png;base64,', html)) >= 5
+    assert "gap: predictive bands" in html and "boston: quality versus cost" in html
+
+
+def test_html_makes_no_external_requests(results):
+    html = build_report(results).html.read_text()
+    assert not re.search(r"""(?:src|href)\s*=\s*["']?\s*(?:https?:)?//""", html, re.I)
+    assert not re.search(r"@import|url\(\s*['\"]?(?:https?:)?//", html, re.I)
+    assert "<script" not in html.lower()
+    assert "<link" not in html.lower()
+
+
+def test_verdicts_against_published_numbers(results):
+    from pyrobdl.compare import list_results
+
+    recs = [r for r in list_results(results) if r["dataset"] == "boston"]
+    table = published_table(recs)
+    verdicts = {row[2]: row[5] for row in table.rows}
+    # rmse 4 ± 1 vs 2.97 ± 0.19: worse by 1.03 < 2*sqrt(1 + 0.19^2) = 2.04 -> matches
+    assert verdicts["rmse"].startswith("matches (−1")
+    # test_ll -2.4 ± 0.1 vs -2.46 ± 0.06: better by 0.06 < 2*0.117 -> matches
+    assert verdicts["test_ll"].startswith("matches (+0.06")
+    assert reference_metric_keys(recs) == ["w2"]
+
+
+def test_no_results_is_a_clear_error(tmp_path):
+    with pytest.raises(ResultsError, match="no results"):
+        build_report(tmp_path)
+    bad = tmp_path / "cells" / "x"
+    bad.mkdir(parents=True)
+    (bad / "result.json").write_text("{")
+    with pytest.raises(ResultsError, match=r"corrupt result file .*x/result.json"):
+        build_model(tmp_path)
+
+
+def test_published_rows_have_sources_and_plausible_values():
+    for row in PUBLISHED.values():
+        assert row.source and row.label and row.results
+        for ds, metrics in row.results.items():
+            assert ds in row.match
+            for metric, (mean, se) in metrics.items():
+                assert metric in ("rmse", "test_ll", "test_error")
+                assert se is None or se >= 0
+
+
+@pytest.mark.skipif(not REFERENCES_MD.exists(), reason="REFERENCES.md not found beside the repository")
+def test_published_numbers_match_references_md():
+    """Gal & Ghahramani 2016, Table 1 rows are copied exactly from REFERENCES.md §1."""
+    text = REFERENCES_MD.read_text()
+    section = text.split("### Gal & Ghahramani 2016")[1].split("###")[0]
+    num = r"([−-]?\d+\.\d+)±(\d+\.\d+)"
+    checked = 0
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) != 7 or cells[0] not in PUBLISHED["gal2016_mc_dropout"].results:
+            continue
+        values = [tuple(float(v.replace("−", "-")) for v in re.fullmatch(num, c).groups()) for c in cells[1:]]
+        for col, key in enumerate(("gal2016_vi", "gal2016_pbp", "gal2016_mc_dropout")):
+            res = PUBLISHED[key].results[cells[0]]
+            assert res["rmse"] == values[col] and res["test_ll"] == values[3 + col]
+        checked += 1
+    assert checked == 9
+
+
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="headless Chromium (/usr/bin/chromium) not installed")
+def test_html_renders_in_headless_chromium(results, tmp_path):
+    page = build_report(results).html
+    done = subprocess.run(
+        [str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", page.as_uri()],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert len(re.findall(r'<img [^>]*src="data:image/png;base64,', done.stdout)) >= 5
+    shot = tmp_path / "shot.png"
+    subprocess.run([str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", f"--screenshot={shot}",
+                    "--window-size=1200,3000", page.as_uri()], capture_output=True, timeout=120, check=True)
+    assert shot.stat().st_size > 10_000
+    shutil.rmtree(tmp_path / "res", ignore_errors=True)
