@@ -122,3 +122,11 @@ def test_local_reparameterization_is_scoped():
     with guide.training_context() as handler:
         assert isinstance(handler, LocalReparameterizationMessenger)
     assert isinstance(pyrobdl.guides.MeanField(model).training_context().__enter__(), type(None))
+
+
+def test_direct_elbo_accepts_flat_regression_targets():
+    """A [N] target for a one-output regression gives the same loss as [N, 1] (no broadcasting)."""
+    model, guide, x, y = setup("gaussian", False)
+    flat = loss_and_grad(model, guide, x, y.squeeze(-1), elbo="direct", kl="analytic", particles=1)[0]
+    column = loss_and_grad(model, guide, x, y, elbo="direct", kl="analytic", particles=1)[0]
+    assert torch.equal(flat, column)

@@ -90,6 +90,8 @@ class DirectELBO(torch.nn.Module):
         qs = self.guide.variational_distributions()
         ps = self.model.prior_distributions()
         shape = torch.Size((self.num_particles,)) if self.num_particles > 1 else torch.Size()
+        # idempotent: a [N] target of a 1-output regression becomes [N, 1] (else it broadcasts)
+        y = self.model.likelihood.prepare_targets(y, self.model.out_features)
         scale = 1.0
         if subsample is not None:
             scale = x.shape[0] / subsample.shape[0]
