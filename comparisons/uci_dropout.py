@@ -5,7 +5,8 @@ per-dataset drop probability p, model precision tau and prior length-scale l
 (``../shared/REFERENCES.md`` §1), and writes one JSON line per split to ``--out`` as soon as the
 split is done.  A rerun skips the splits already in the file, so a crash loses nothing.
 ``--table`` prints the Markdown table (mean ± standard error over splits) beside Table 1's
-MC-dropout column and Gal's 2018 grid-search re-run.
+MC-dropout column, the authors' 400-epoch re-run and Gal's 2018 grid search.  Results and
+discussion: docs/results_dropout.md.
 
 Protocol
 --------
