@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import pyro
-import pyro.distributions as dist
 import pytest
 import torch
 from pyro.ops.provenance import detach_provenance
@@ -19,6 +18,7 @@ from pyrobdl.inference import get_method, make_elbo
 PRECISION = 4.0
 PRIOR_SCALE = 1.5
 BETA = 0.8  # decaying-average baseline decay used in the exact tests
+ZERO = torch.tensor(0.0, dtype=torch.float64)
 
 
 def tiny_model() -> pyrobdl.BayesianMLP:
@@ -63,7 +63,7 @@ def _hand_costs(values, params, x, y):
     costs = {}
     for name, v in (("layers.0.weight", w), ("layers.0.bias", b)):
         mu, sd = params[name]
-        log_prior = _normal_logpdf(v, torch.tensor(0.0, dtype=torch.float64), torch.tensor(PRIOR_SCALE, dtype=torch.float64))
+        log_prior = _normal_logpdf(v, ZERO, torch.tensor(PRIOR_SCALE, dtype=torch.float64))
         costs[name] = log_prior - _normal_logpdf(v, mu, sd) + loglik
     return costs, loglik
 
@@ -141,7 +141,7 @@ def test_surrogate_gradient_matches_hand_formula(num_particles, baseline):
             # the loss's value is the negative ELBO estimate (not the surrogate's value)
             log_q = sum(_normal_logpdf(values[k].double().reshape(-1), *params[k]) for k in params)
             log_p = loglik + sum(
-                _normal_logpdf(values[k].double().reshape(-1), torch.tensor(0.0).double(), torch.tensor(PRIOR_SCALE).double())
+                _normal_logpdf(values[k].double().reshape(-1), ZERO, torch.tensor(PRIOR_SCALE, dtype=torch.float64))
                 for k in params
             )
             torch.testing.assert_close(loss, -(log_p - log_q).mean(), rtol=RTOL, atol=ATOL)
@@ -224,7 +224,9 @@ def test_registry_entry_and_loop_defaults():
         pyrobdl.fit(tiny_model(), *tiny_data(), "bbvi", local_reparameterization=True, progress=False)
 
 
-@pytest.mark.parametrize("bad", [{"baseline": "ema"}, {"baseline_beta": 1.0}, {"baseline_beta": 0}, {"baseline_hidden": 0}])
+@pytest.mark.parametrize(
+    "bad", [{"baseline": "ema"}, {"baseline_beta": 1.0}, {"baseline_beta": 0}, {"baseline_hidden": 0}]
+)
 def test_bad_guide_options(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         ScoreFunction(tiny_model(), **bad)
@@ -237,6 +239,8 @@ def test_fit_smoke_minibatch_and_predict(baseline):
     post = pyrobdl.fit(
         model, x, y, "bbvi", num_steps=15, num_particles=4, batch_size=10, baseline=baseline, progress=False
     )
+    # the decaying averages lived in the loop's private param-store scope (DESIGN.md trap)
+    assert not any(k.startswith("__baseline") for k in pyro.get_param_store().keys())
     assert post.history.shape == (15,) and all(math.isfinite(v) for v in post.history)
     assert post.cost.gradient_evaluations == 15 * 4
     pred = post.predict(x[:3], num_samples=7, seed=0)
@@ -256,23 +260,28 @@ def test_classification_fit():
     assert all(math.isfinite(v) for v in post.history)
 
 
-# BBVI on Bayesian linear regression, 3000 steps, 16 particles, decaying-average baseline,
-# linearly decayed rate.  Start: means ~25 posterior sd from the optimum, sds 0.01 vs ~0.05.
-# Measured over seeds 0-4 (docs/methods/bbvi.md): means within 0.05-0.5 optimal sd, sds within
-# 3-30% of the optimal mean-field sd.  The tolerances are 2-3x the worst seen: a slow estimator
-# that moves the whole way from the start to a neighbourhood of the optimum.
-BLR_MEAN_TOL_IN_SD = 1.5
-BLR_LOG_SD_TOL = math.log(1.6)
+# BBVI on Bayesian linear regression: 3000 steps, 128 particles, decaying-average baseline,
+# linearly decayed rate, default init (some mean > 10 optimal sd from the optimum, sds 0.01 vs
+# ~0.047).  Measured for fit seeds 0, 1, 2 (docs/methods/bbvi.md): means within 0.008 / 0.006 /
+# 0.03 optimal sd, sds at 0.81-0.97 / 0.55-0.91 / 0.67-0.80 of the optimal mean-field sd.  The
+# sds are still growing: at small sigma the score-function gradient of the scales has a
+# signal-to-noise ratio of a few percent, so they move slowly from 0.01 (started at the optimum,
+# 16 particles stay there to 1-3%).  Tolerances: means 0.25 sd (the mean-field test's, 8x the
+# worst seen); sds within [0.4, 1.25] of the optimum, versus 0.21 at the start.
+BLR_MEAN_TOL_IN_SD = 0.25
+BLR_SD_RATIO = (0.4, 1.25)
 
 
 @pytest.mark.slow
 def test_bbvi_moves_to_the_mean_field_optimum_of_blr():
     data = bayesian_linear_regression(50, 10, 2, prior_scale=1.0, precision=10.0, seed=0)
-    model = pyrobdl.BayesianMLP(2, (), 1, prior=pyrobdl.priors.Gaussian(1.0), likelihood=pyrobdl.likelihoods.Gaussian(10.0))
+    model = pyrobdl.BayesianMLP(
+        2, (), 1, prior=pyrobdl.priors.Gaussian(1.0), likelihood=pyrobdl.likelihoods.Gaussian(10.0)
+    )
     exact = data.posterior
     post = pyrobdl.fit(
         model, data.x_train, data.y_train, "bbvi", num_steps=3000, lr=1e-2, lr_schedule="linear",
-        num_particles=16, seed=0, progress=False,
+        num_particles=128, seed=0, progress=False,
     )
     pyro.set_rng_seed(0)
     start = MeanField(model)  # the fit's initial guide (test_bbvi_and_mean_field_fits_start_...)
@@ -281,7 +290,9 @@ def test_bbvi_moves_to_the_mean_field_optimum_of_blr():
     sds = torch.cat([g.layers_0_weight_scale.reshape(-1), g.layers_0_bias_scale.reshape(-1)]).detach().double()
     start_means = torch.cat([start.layers_0_weight_loc.reshape(-1), start.layers_0_bias_loc.reshape(-1)])
     start_err = ((start_means.detach().double() - exact.mean) / exact.mean_field_sd).abs().max()
+    assert start_err > 10
     mean_err = ((means - exact.mean) / exact.mean_field_sd).abs()
-    assert mean_err.max() < BLR_MEAN_TOL_IN_SD < start_err, f"means off by {mean_err.tolist()} sd"
-    log_sd_err = (sds / exact.mean_field_sd).log().abs()
-    assert log_sd_err.max() < BLR_LOG_SD_TOL < math.log(exact.mean_field_sd.min() / 0.01), log_sd_err.tolist()
+    assert mean_err.max() < BLR_MEAN_TOL_IN_SD, f"means off by {mean_err.tolist()} sd"
+    ratio = sds / exact.mean_field_sd
+    assert BLR_SD_RATIO[0] < ratio.min() and ratio.max() < BLR_SD_RATIO[1], ratio.tolist()
+    assert (0.01 / exact.mean_field_sd).max() < BLR_SD_RATIO[0]  # the start is outside the band

@@ -89,7 +89,9 @@ class GradientVarianceRow:
         the gradient covariance divided by :math:`d`).
     snr : float
         ``mean_abs_gradient / sqrt(variance)``: group-level signal-to-noise ratio of one draw
-        (0/0, a group with no gradient at all, gives nan).
+        (inf for a deterministic non-zero gradient, nan for 0/0).  ``mean_abs_gradient``
+        contains Monte Carlo noise, so values near
+        :attr:`GradientVarianceTable.snr_noise_floor` mean "indistinguishable from zero".
     seconds_per_draw : float
         Wall time of one gradient draw (forward and backward), averaged over the draws.
     mean : numpy.ndarray
@@ -162,6 +164,15 @@ class GradientVarianceTable:
         """Parameter groups, in order of first appearance."""
         return tuple(dict.fromkeys(r.group for r in self.rows))
 
+    @property
+    def snr_noise_floor(self) -> float:
+        r"""SNR that a zero true gradient shows with this many draws, :math:`\sqrt{2/(\pi T)}`.
+
+        :math:`E|\bar g_j| = s_j\sqrt{2/(\pi T)}` when the true gradient is zero, so an SNR at
+        or below this value says the draws cannot tell the gradient from zero.
+        """
+        return math.sqrt(2.0 / (math.pi * self.num_draws))
+
     def row(self, estimator: str, group: str) -> GradientVarianceRow:
         """The row of ``estimator`` and ``group``.
 
@@ -208,6 +219,8 @@ class GradientVarianceTable:
                 den = ref.get(r.group)
                 cells.append("" if den is None else (f"{r.variance / den:.3g}" if den > 0 else "inf"))
             lines.append("| " + " | ".join(cells) + " |")
+        lines += ["", f"{self.num_draws} draws, {self.num_particles} particle(s) each; an SNR near "
+                  f"{self.snr_noise_floor:.2g} is the noise floor of {self.num_draws} draws (zero true gradient)."]
         return "\n".join(lines)
 
 
@@ -311,7 +324,8 @@ def _draw_statistics(
         elapsed += time.perf_counter() - start
         with torch.no_grad():
             for (_, p), mu, s in zip(params, mean, m2):
-                g = torch.zeros(p.numel(), dtype=torch.float64, device=p.device) if p.grad is None else p.grad.reshape(-1).double()
+                # a parameter the loss does not reach has no .grad: its gradient is zero
+                g = mu.new_zeros(p.numel()) if p.grad is None else p.grad.reshape(-1).double()
                 delta = g - mu
                 mu += delta / t
                 s += delta * (g - mu)

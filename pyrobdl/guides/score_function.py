@@ -1,11 +1,12 @@
 r"""Score-function (black-box) VI: the mean-field Gaussian with non-reparameterized samples.
 
 :class:`ScoreFunction` is :class:`~pyrobdl.guides.MeanField` with every sample marked
-non-reparameterized (``has_rsample_(False)``), so Pyro's ``TraceGraph_ELBO`` estimates the ELBO
-gradient with the log-derivative trick, Rao-Blackwellized by the dependency structure it
-tracks, and with Pyro's per-site baselines as control variates.  The objective and the family
-are those of Bayes by Backprop; only the gradient estimator differs.  Nothing here computes an
-ELBO: the guide only says how each site is sampled and which baseline Pyro should use.
+non-reparameterized (:class:`NonReparameterized`, ``has_rsample == False``), so Pyro's
+``TraceGraph_ELBO`` estimates the ELBO gradient with the log-derivative trick, Rao-Blackwellized
+by the dependency structure it tracks, and with Pyro's per-site baselines as control variates
+(``Trace_ELBO`` also accepts the guide, without either).  The objective and the family are those
+of Bayes by Backprop; only the gradient estimator differs.  Nothing here computes an ELBO: the
+guide only says how each site is sampled and which baseline Pyro should use.
 """
 
 from __future__ import annotations
