@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 import pyro
@@ -86,8 +87,10 @@ def assert_moments(draws: np.ndarray, mean: np.ndarray, cov: np.ndarray) -> None
 
 # --------------------------------------------------------------------- exact posteriors (BLR)
 # HMC with a fixed trajectory length spends ~90% of a short warm-up's gradients before the mass
-# matrix is adapted (~50 steps per iteration at the unscaled step size); three fixed steps per
-# iteration keep the default test cheap, the slow test below covers the default trajectory.
+# matrix is adapted (~50 steps per iteration at the unscaled step size); three (jittered) steps
+# per iteration keep the default test cheap, the slow test below covers the default trajectory.
+# These settings passed for seeds 0-8 for both samplers (a 600-draw HMC test without jitter
+# failed for 3 of seeds 1-8: second moments mix badly when a fixed length is near half a period).
 @pytest.mark.parametrize("method, extra", [("nuts", {}), ("hmc", {"num_steps": 3})])
 def test_blr_exact_posterior(blr, method, extra):
     # the direct potential keeps this fast; test_direct_potential_* prove it equals Pyro's
@@ -232,6 +235,7 @@ def test_improper_prior_raises_before_running(monkeypatch):
         ("hmc", {"max_tree_depth": 5}, "does not take"),
         ("hmc", {"trajectory_length": -1.0}, "trajectory_length"),
         ("hmc", {"num_steps": 0}, "num_steps"),
+        ("hmc", {"jitter": 1.0}, "jitter"),
         ("hmc", {"step_size": float("nan")}, "step_size"),
     ],
 )
@@ -269,20 +273,43 @@ def test_chains_reproducible_from_seed():
 def test_hmc_counts_every_leapfrog_step():
     x, y = small_data()
     posterior = pyrobdl.fit(small_mlp(), x, y, method="hmc", num_warmup=5, num_samples=10, num_chains=2,
-                            adapt_step_size=False, step_size=0.05, num_steps=7, progress=False)
+                            adapt_step_size=False, step_size=0.05, num_steps=7, jitter=0.0, progress=False)
     assert posterior.cost.gradient_evaluations == 2 * 15 * 7
     assert (posterior.trace.num_steps == 7).all()
     # the one gradient at each chain's start, no step-size search
     assert posterior.diagnostics["other_gradient_evaluations"] == [1, 1]
     assert posterior.diagnostics["leapfrog_steps_sampling"] == [70, 70]
     assert posterior.trace.tree_depth is None
+    assert all(0 <= r <= 1 for r in posterior.diagnostics["acceptance_rate"])
+
+
+def test_step_size_search_is_not_counted_as_leapfrog_steps():
+    # With adaptation, Pyro re-runs its step-size search at the end of each warm-up window
+    # (inside kernel.sample); those evaluations must not leak into the per-iteration counts.
+    x, y = small_data()
+    posterior = pyrobdl.fit(small_mlp(), x, y, method="hmc", num_warmup=30, num_samples=5, num_chains=1,
+                            num_steps=3, jitter=0.0, progress=False)
+    assert (posterior.trace.num_steps == 3).all()
+    assert posterior.cost.gradient_evaluations == 35 * 3
+    assert posterior.diagnostics["other_gradient_evaluations"][0] > 1 + 2  # the start + searches
 
 
 def test_hmc_trajectory_length_sets_steps():
     x, y = small_data()
     posterior = pyrobdl.fit(small_mlp(), x, y, method="hmc", num_warmup=0, num_samples=5, num_chains=1,
-                            adapt_step_size=False, step_size=0.1, trajectory_length=0.75, progress=False)
+                            adapt_step_size=False, step_size=0.1, trajectory_length=0.75, jitter=0.0,
+                            progress=False)
     assert (posterior.trace.num_steps == 8).all()  # ceil(0.75 / 0.1), as NumPyro
+
+
+def test_hmc_jitter_varies_the_trajectory():
+    x, y = small_data()
+    kw = dict(method="hmc", num_warmup=0, num_samples=40, num_chains=1, adapt_step_size=False, step_size=0.1,
+              progress=False)
+    fixed = pyrobdl.fit(small_mlp(), x, y, num_steps=4, jitter=0.5, **kw).trace.num_steps
+    assert set(np.unique(fixed)) <= {2, 3, 4, 5, 6} and len(np.unique(fixed)) >= 3  # round(4 u), u in (0.5, 1.5)
+    length = pyrobdl.fit(small_mlp(), x, y, trajectory_length=0.8, jitter=0.25, **kw).trace.num_steps
+    assert set(np.unique(length)) <= {6, 7, 8, 9, 10} and len(np.unique(length)) >= 3  # ceil(8 u), u in (0.75, 1.25)
 
 
 def test_nuts_trace_is_consistent():
@@ -341,14 +368,19 @@ def test_direct_and_traced_potentials_give_the_same_chain():
         torch.testing.assert_close(a.samples[k], b.samples[k], atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.slow
-def test_jit_compile_gives_the_same_chain():
+def test_jit_compile_traces_once_and_follows_the_same_chain(monkeypatch):
+    traces = []
+    real_trace = torch.jit.trace
+    monkeypatch.setattr(torch.jit, "trace", lambda *a, **k: traces.append(1) or real_trace(*a, **k))
     x, y = small_data()
     kw = dict(method="nuts", num_chains=2, max_tree_depth=4, **TINY)
     a = pyrobdl.fit(small_mlp(), x, y, jit_compile=False, **kw)
     b = pyrobdl.fit(small_mlp(), x, y, jit_compile=True, **kw)
-    for k in a.samples:
-        torch.testing.assert_close(a.samples[k], b.samples[k], atol=1e-5, rtol=1e-4)
+    assert len(traces) == 1  # one compiled potential shared by both chains
+    # The compiled potential rounds differently and NUTS amplifies rounding over iterations, so
+    # the chains agree closely only at first: compare the first iterations of each chain.
+    np.testing.assert_array_equal(a.trace.num_steps[:, :3], b.trace.num_steps[:, :3])
+    np.testing.assert_allclose(a.trace.log_joint[:, :3], b.trace.log_joint[:, :3], rtol=1e-4)
 
 
 # -------------------------------------------------------------------------- reference files
@@ -375,6 +407,10 @@ def test_reference_round_trip(reference):
     # the thinned weights pushed through the network again give the stored function draws
     thinned = ref.posterior(model).predict(x_eval, num_samples=6)
     torch.testing.assert_close(thinned.samples, pred.samples.reshape(2, 8, 6, 1)[:, ::3].reshape(6, 6, 1))
+    # usable as the reference of the metrics module, which reads x_eval and prediction()
+    scores = pyrobdl.diagnostics.evaluate(ref.posterior(model), x_eval, torch.zeros(6), reference=loaded,
+                                          num_samples=6)
+    assert math.isfinite(scores["w2_to_reference"])
     meta = loaded.metadata
     assert meta["method"] == "nuts" and meta["num_chains"] == 2 and meta["thin"] == 3
     assert meta["cost"]["gradient_evaluations"] > 0 and "function_space" in meta["diagnostics"]
@@ -390,7 +426,7 @@ def test_reference_files_are_checked(reference, tmp_path):
     data = bytearray(ref.path.read_bytes())
     data[len(data) // 2] ^= 0xFF
     ref.path.write_bytes(bytes(data))
-    with pytest.raises(ValueError, match=str(ref.path)):
+    with pytest.raises(ValueError, match=re.escape(str(ref.path))):
         load_reference(ref.path)
     ref.path.with_suffix(".json").write_text("{not json")
     with pytest.raises(ValueError, match="ref.json"):

@@ -63,7 +63,7 @@ NUTS_OPTIONS = {**_COMMON, "max_tree_depth": 10}
 # A quarter period of a unit-scale Gaussian (the scale the adapted mass matrix aims at): an
 # exact trajectory of length pi/2 maps x to the fresh momentum, i.e. an independent draw,
 # whereas Pyro's default 2*pi is a full oscillation that returns near the start (DESIGN.md).
-HMC_OPTIONS = {**_COMMON, "trajectory_length": math.pi / 2, "num_steps": None}
+HMC_OPTIONS = {**_COMMON, "trajectory_length": math.pi / 2, "num_steps": None, "jitter": 0.5}
 
 
 @dataclass(frozen=True)
@@ -114,8 +114,9 @@ class _Recording:
     """Mixin for Pyro's HMC/NUTS kernels: records per-iteration statistics around ``sample``.
 
     Leapfrog steps are the potential evaluations inside ``sample`` minus those of the step-size
-    search (``_find_reasonable_step_size``, a private method of Pyro 1.9's HMC: the exact-count
-    test in ``tests/test_mcmc.py`` fails loudly if a Pyro release changes it).
+    search (``_find_reasonable_step_size``, a private method of Pyro 1.9's HMC, re-run at the
+    end of each warm-up window: ``test_step_size_search_is_not_counted_as_leapfrog_steps``
+    fails loudly if a Pyro release changes it).
     """
 
     def _start_recording(self, counter: _Counted) -> None:
@@ -148,21 +149,33 @@ class _NUTS(_Recording, NUTS):
 
 
 class _HMC(_Recording, HMC):
-    r"""Pyro's HMC with NumPyro's step count: a given ``num_steps`` stays fixed while the step
-    size adapts, otherwise :math:`\lceil L/\epsilon \rceil` steps cover the trajectory length
-    :math:`L`.  (Pyro floors, which collapses to a single Langevin step whenever the adapted
-    step size exceeds :math:`L/2`: measured on Bayesian linear regression with
-    :math:`L=\pi/2`, one step per iteration and a bulk ESS of 118 of 600 draws.)"""
+    r"""Pyro's HMC with NumPyro's step count and a jittered trajectory length.
 
-    def __init__(self, *args: Any, fixed_num_steps: int | None = None, **kwargs: Any) -> None:
+    A given ``num_steps`` stays fixed while the step size adapts; otherwise
+    :math:`\lceil L/\epsilon \rceil` steps cover the trajectory length :math:`L`.  (Pyro floors,
+    which collapses to a single Langevin step whenever the adapted step size exceeds
+    :math:`L/2`: measured on Bayesian linear regression with :math:`L=\pi/2`, one step per
+    iteration and a bulk ESS of 118 of 600 draws.)  With ``jitter`` :math:`j > 0` each
+    iteration scales the length (or the step count) by :math:`u \sim \mathcal U(1-j, 1+j)`,
+    drawn from torch's generator, which breaks the periodicity of a fixed length in directions
+    where it is close to a multiple of half a period (Neal 2011 recommends choosing the step
+    size or the trajectory length at random from a small interval).
+    """
+
+    def __init__(self, *args: Any, fixed_num_steps: int | None = None, jitter: float = 0.0, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._fixed_num_steps = fixed_num_steps
+        self._fixed_num_steps, self._jitter, self._scale = fixed_num_steps, jitter, 1.0
+
+    def sample(self, params):
+        if self._jitter:
+            self._scale = 1.0 + self._jitter * (2.0 * float(torch.rand(())) - 1.0)
+        return super().sample(params)
 
     @property
     def num_steps(self) -> int:
         if self._fixed_num_steps is not None:
-            return self._fixed_num_steps
-        return max(1, math.ceil(self.trajectory_length / self.step_size))
+            return max(1, round(self._fixed_num_steps * self._scale))
+        return max(1, math.ceil(self._scale * self.trajectory_length / self.step_size))
 
 
 def chain_seeds(seed: int, num_chains: int) -> list[int]:
@@ -206,6 +219,9 @@ def _check_options(options: Mapping[str, Any]) -> None:
         _int(options, "max_tree_depth", 1)
     if "trajectory_length" in options:
         _positive(options, "trajectory_length")
+        j = options["jitter"]
+        if isinstance(j, bool) or not isinstance(j, (int, float)) or not 0 <= j < 1:
+            raise ValueError(f"jitter must be in [0, 1), got {j!r}")
         if options["num_steps"] is not None:
             _int(options, "num_steps", 1)
 
@@ -355,8 +371,9 @@ def _make_kernel(method: str, potential: Callable, transforms: Mapping[str, Any]
     if method == "nuts":
         return _NUTS(max_tree_depth=options["max_tree_depth"], **common)
     if options["num_steps"] is not None:
-        return _HMC(num_steps=options["num_steps"], fixed_num_steps=options["num_steps"], **common)
-    return _HMC(trajectory_length=options["trajectory_length"], **common)
+        return _HMC(num_steps=options["num_steps"], fixed_num_steps=options["num_steps"], jitter=options["jitter"],
+                    **common)
+    return _HMC(trajectory_length=options["trajectory_length"], jitter=options["jitter"], **common)
 
 
 def _trace(rows: list[list[tuple]], num_warmup: int, method: str) -> SamplerTrace:
