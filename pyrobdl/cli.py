@@ -103,6 +103,14 @@ def _cmd_methods(args: argparse.Namespace) -> int:
     return 0
 
 
+def _init_worker(threads: int | None) -> None:
+    """Set up a worker process of ``--workers``: torch's thread count."""
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
 def _cmd_compare(args: argparse.Namespace) -> int:
     import torch
 
@@ -144,7 +152,9 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         import concurrent.futures as cf
         import multiprocessing as mp
 
-        pool = cf.ProcessPoolExecutor(max_workers=args.workers, mp_context=mp.get_context("spawn"))
+        # --threads applies to every worker too: torch's thread count is per process
+        pool = cf.ProcessPoolExecutor(max_workers=args.workers, mp_context=mp.get_context("spawn"),
+                                      initializer=_init_worker, initargs=(args.threads,))
         executor: Any = FuturesExecutor(pool)
     else:
         executor = InProcessExecutor()
@@ -152,7 +162,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         summary = run_suite(
             suite, args.out, data_dir=args.data_dir, device=args.device, only=only, executor=executor,
             progress=not args.no_progress, rerun_invalid=args.rerun_invalid,
-            log=print if args.no_progress else None,
+            log=(lambda line: print(line, flush=True)) if args.no_progress else None,
         )
     except (ConfigError, ValueError) as e:
         _err(str(e))
@@ -204,6 +214,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         _err("interrupted")
         return 130
+    except BrokenPipeError:  # output piped into e.g. `head`: not an error of ours
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -114,3 +114,15 @@ def test_failed_cell_exits_1(suite, tmp_path, capsys):
     path.write_text(textwrap.dedent(SUITE).replace("num_steps = 10", "num_steps = 10\nlr = -1.0"))
     assert main(["compare", str(path), "--out", str(tmp_path / "o"), "--no-progress"]) == EXIT_CODES["cells_failed"]
     assert "lr must be" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_worker_processes(suite, tmp_path, capsys):
+    """--workers runs cells in spawned processes (with --threads applied there too)."""
+    path = tmp_path / "two.toml"
+    path.write_text(textwrap.dedent(SUITE).replace('source = "gap"', 'source = "gap"\nsplits = [0, 1]'))
+    out = tmp_path / "o"
+    assert main(["compare", str(path), "--out", str(out), "--no-progress", "--workers", "2", "--threads", "1"]) == 0
+    assert "2 cell(s) ran ok" in capsys.readouterr().out
+    threads = {json.loads(p.read_text())["versions"]["torch_threads"] for p in out.glob("cells/*/result.json")}
+    assert threads == {"1"}

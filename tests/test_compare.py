@@ -14,7 +14,6 @@ import subprocess
 import sys
 import textwrap
 import time
-import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +32,7 @@ from pyrobdl.compare import (
     run_suite,
     select,
 )
+from pyrobdl.compare.config import tomllib
 from pyrobdl.compare.grid import build_model, check_plan
 from pyrobdl.compare.sources import SOURCES, load_dataset
 from pyrobdl.compare.store import RESULT_FILE, atomic_write
@@ -207,6 +207,19 @@ def test_grid_ids_references_and_hashes():
         c.id for c in cells if c.method == "mean_field"}
 
 
+def test_dataset_overrides_set_options_and_model_of_one_method():
+    over = 'overrides = { map = { lr = 0.05, model = { prior = { kind = "gaussian", scale = 3.0 } } } }'
+    cells = expand(parse_suite(raw(TINY.replace('source = "gap"', 'source = "gap"\n' + over)), "/x/s.toml"))
+    by_method = {c.method: c.spec for c in cells if c.split == 0}
+    assert by_method["map"]["method"]["options"]["lr"] == 0.05
+    assert by_method["map"]["model"]["prior"] == {"kind": "gaussian", "scale": 3.0}
+    assert by_method["map"]["model"]["hidden"] == [5]  # the rest of the model is kept
+    assert by_method["mean_field"]["method"]["options"]["lr"] == 0.01
+    assert "prior" not in by_method["mean_field"]["model"]
+    msg = errors_of(TINY.replace('source = "gap"', 'source = "gap"\noverrides = { map = { lrr = 0.05 } }'))
+    assert "datasets.gap.overrides.map.lrr" in msg and "'lr'" in msg
+
+
 def test_only_filter_adds_needed_references():
     text = TINY.replace("[suite]", '[suite]\nreference = "map"')
     cells = expand(parse_suite(raw(text), "/x/s.toml"))
@@ -272,6 +285,20 @@ def test_run_writes_records_and_resumes(tmp_path):
     assert (out / "suite.toml").read_text() == path.read_text()
     again = run(path, out)
     assert again.success and not again.ok and len(again.skipped) == 4
+
+
+def test_training_diagnostics_are_a_separate_metric_group(tmp_path):
+    path = write(tmp_path, TINY.replace("inference_data = false", "inference_data = true\nfit_diagnostics = true")
+                 .replace("splits = [0, 1]", "splits = [0]"))
+    run(path, tmp_path / "out")
+    rec = read_result(tmp_path / "out" / "cells" / "gap__mean_field__split-0__seed-0" / RESULT_FILE)
+    assert "loo_ll" in rec["train_metrics"] and "loo_ll" not in rec["metrics"]
+    assert rec["exact_metrics"] == {}  # not a conjugate model
+    assert rec["artifacts"]["inference_data"] == "inference_data.nc"
+    from pyrobdl.diagnostics.arviz_adapter import az
+
+    idata = az.from_netcdf(str(tmp_path / "out" / "cells" / rec["id"] / "inference_data.nc"))
+    assert "posterior" in idata.groups() and "log_likelihood" in idata.groups()
 
 
 def test_resume_after_simulated_crash(tmp_path):
@@ -455,6 +482,8 @@ def small_quickstart(tmp_path: Path) -> Path:
     """comparisons/quickstart.toml with CI-sized settings (same datasets, methods and reference)."""
     doc = tomllib.loads((REPO / "comparisons" / "quickstart.toml").read_text())
     doc["suite"]["num_eval_samples"] = 30
+    if "gradient_variance" in doc:
+        doc["gradient_variance"].update(num_draws=10, baseline_warmup=5)
     for ds in doc["datasets"].values():
         ds.update({k: v for k, v in {"num_train": 30, "num_test": 40}.items() if k in ds})
     for table in doc["methods"].values():
@@ -486,3 +515,49 @@ def test_quickstart_suite_end_to_end_small(tmp_path):
     html = (out / "report.html").read_text()
     for label in (m.label for m in suite.methods):
         assert label in html
+
+
+# ----------------------------------------------------------------------------- artifacts
+
+
+def test_exact_posterior_metrics_of_exact_draws():
+    """Draws from the exact BLR posterior itself score (near) perfectly; a shifted mean does not."""
+    import torch
+
+    from pyrobdl.compare.artifacts import StoredPosterior, exact_posterior_metrics
+
+    data = load_dataset("blr", SOURCES["blr"].options, 0, None, REPO)
+    model = build_model({"hidden": [], "likelihood": {"kind": "gaussian", "precision": 10.0}}, data)
+    exact = pyrobdl.datasets.blr_posterior(data.x_train, data.y_train, weight_prior_scale=1.0, precision=10.0)
+    gen = torch.Generator().manual_seed(0)
+    s = 4000
+    theta = exact.mean + torch.randn(s, exact.mean.shape[0], generator=gen, dtype=torch.float64) @ \
+        torch.linalg.cholesky(exact.covariance).T
+    draws = {"layers.0.weight": theta[:, :-1].float().unsqueeze(1), "layers.0.bias": theta[:, -1:].float()}
+    scores = exact_posterior_metrics(model, StoredPosterior(model, draws, "exact"), data, s, 0)
+    # Monte Carlo error with S = 4000 draws: ~0.016 sd per coordinate for the mean, ~1% for the
+    # sds, and a KL bias of about d(d+1)/(4S) ~ 0.001; the tolerances are ~4x those.
+    assert scores["exact_mean_error_sd"] < 0.06
+    assert abs(scores["exact_sd_ratio"] - 1) < 0.05
+    assert scores["exact_mf_sd_ratio"] > 1  # exact marginals are wider than the mean-field optimum
+    assert scores["exact_kl"] < 0.01
+    shifted = {k: v + 3 * float(exact.posterior_sd.max()) for k, v in draws.items()}
+    assert exact_posterior_metrics(model, StoredPosterior(model, shifted, "x"), data, s, 0)["exact_mean_error_sd"] > 1
+    # a non-conjugate model gets no exact metrics
+    mlp = build_model({"hidden": [3]}, data)
+    assert exact_posterior_metrics(mlp, None, data, 10, 0) == {}
+
+
+def test_stored_posterior_cycles_its_draws():
+    import torch
+
+    from pyrobdl.compare.artifacts import StoredPosterior
+
+    data = load_dataset("gap", SOURCES["gap"].options, 0, None, REPO)
+    model = build_model({"hidden": [2]}, data)
+    draws = {s.name: torch.randn(3, *s.shape) for s in model.sites}
+    post = StoredPosterior(model, draws, "x")
+    out = post.sample(7)
+    assert out["layers.0.weight"].shape == (7, 2, 1)
+    assert torch.equal(out["layers.0.weight"][3], draws["layers.0.weight"][0])
+    assert post.predict(data.x_test, 3).samples.shape == (3, data.x_test.shape[0], 1)

@@ -67,6 +67,7 @@ def results(tmp_path):
         record("gap", "mean_field", 0, metrics={"rmse": 0.1, "test_ll": 0.5}, source="gap", name="", band=True,
                gv=[{"estimator": "reparameterization", "variance": 0.5}, {"estimator": "score_function", "variance": 50.0}]),
     ]
+    items[-1][1].update(train_metrics={"loo_ll": 0.4, "vi_pareto_k": 0.9}, exact_metrics={"exact_sd_ratio": 0.75})
     return store(tmp_path / "res", items)
 
 
@@ -94,6 +95,9 @@ def test_report_from_stored_results(results):
     # MCMC diagnostics, nested ones flattened; gradient-variance rows
     assert "divergences" in md and "function_space.rhat_max" in md
     assert "score_function" in md and "Gradient variance" in md
+    # training-data fit and exact-posterior tables come from their own metric groups
+    assert "### Fit to the training data" in md and "vi_pareto_k | 0.9" in md
+    assert "### Distance to the exact posterior" in md and "exact_sd_ratio | 0.75" in md
     # figures: quality vs cost and calibration for boston; bands, calibration, ELBO for gap
     assert len(re.findall(r'<img [^>]*src="data:image/png;base64,', html)) >= 5
     assert "gap: predictive bands" in html and "boston: quality versus cost" in html

@@ -52,7 +52,7 @@ from __future__ import annotations
 import inspect
 import math
 import re
-import tomllib
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -63,6 +63,11 @@ from ..inference import get_method, methods
 from ..model import ACTIVATIONS
 from .sources import SOURCES
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - the same parser, packaged for Python 3.10
+    import tomli as tomllib
+
 __all__ = [
     "ConfigError",
     "DatasetEntry",
@@ -71,6 +76,7 @@ __all__ = [
     "load_suite",
     "model_components",
     "parse_suite",
+    "tomllib",
 ]
 
 SUITE_KEYS = (
@@ -330,6 +336,8 @@ def _str_list(errors: _Errors, where: str, value: Any) -> tuple[str, ...]:
 
 
 def _parse_methods(errors: _Errors, raw: Any) -> list[MethodEntry]:
+    from ..report.published import PUBLISHED  # data only (imported here: report imports compare)
+
     if not isinstance(raw, dict) or not raw:
         errors.add("methods", "at least one [methods.<label>] table is required")
         return []
@@ -360,8 +368,6 @@ def _parse_methods(errors: _Errors, raw: Any) -> list[MethodEntry]:
         model = table.get("model", {})
         _check_model(errors, f"{where}.model", model)
         published = _str_list(errors, f"{where}.published", table.get("published", []))
-        from ..report.published import PUBLISHED  # data only; no report machinery
-
         for key in published:
             if key not in PUBLISHED:
                 errors.add(f"{where}.published", f"unknown published row {key!r}; valid: {sorted(PUBLISHED)}")

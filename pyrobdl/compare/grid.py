@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from .. import BayesianMLP
@@ -270,7 +269,3 @@ def describe(cells: list[Cell]) -> str:
     return (f"{len(cells)} cells: {n['dataset']} dataset(s) x {n['method']} method(s) x "
             f"{n['split']} split(s) x {n['seed']} seed(s) ({sum(c.is_reference for c in cells)} reference)")
 
-
-def suite_folder(suite: Suite) -> Path:
-    """The folder relative paths of ``suite`` are resolved against."""
-    return suite.path.parent

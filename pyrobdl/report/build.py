@@ -47,19 +47,27 @@ def _overview(records: Sequence[Mapping[str, Any]], out: Path) -> tuple[list[str
     suites = sorted({str(r.get("suite", "")) for r in records})
     fit_time = sum(float((r.get("cost") or {}).get("wall_time_s") or 0.0) for r in oks)
     cell_time = sum(float(r.get("wall_time_s") or 0.0) for r in records)
+    cpu_time = sum(float(r.get("cpu_time_s") or 0.0) for r in records)
     versions = next((r.get("versions") for r in records if r.get("versions")), {}) or {}
     hosts = sorted({str(r.get("host", "")) for r in records})
     devices = sorted({str((r.get("cost") or {}).get("device", "")) for r in oks})
     summary = [
         f"Results folder: {out}",
         f"Suite(s): {', '.join(suites)}; {len(records)} cells: {len(oks)} finished, {len(records) - len(oks)} failed",
-        f"Total fit time {fit_time:.1f} s; total cell time (fit, evaluation, writing) {cell_time:.1f} s",
+        f"Total fit time {fit_time:.1f} s; total cell time (fit, evaluation, writing) {cell_time:.1f} s, "
+        f"of which {cpu_time:.1f} s of process CPU time",
         f"Machine: {', '.join(hosts)}; device(s): {', '.join(devices) or '—'}; {versions.get('platform', '')}",
         "Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items() if k != "platform"),
         f"Generated {time.strftime('%Y-%m-%d %H:%M:%S %Z')} from stored results only",
     ]
     tables = [t for t in [_tables.failures_table(records)] if t is not None]
-    section = Section("Run overview", ("Each cell is one fit of one method on one split with one seed.",), tuple(tables))
+    section = Section("Run overview", (
+        "Each cell is one fit of one method on one split with one seed. Per dataset below: predictive "
+        "quality and cost (mean ± standard error over splits and seeds) with published numbers where "
+        "the suite names them, agreement with the reference posterior, distance to the exact posterior "
+        "(conjugate models), the methods' own diagnostics, and figures. Metric definitions: "
+        "docs/diagnostics.md; the suite format and this report: docs/compare.md.",
+    ), tuple(tables))
     return summary, section
 
 
@@ -99,9 +107,11 @@ def _dataset_section(label: str, records: Sequence[Mapping[str, Any]]) -> Sectio
     tables.append(_tables.training_table(records))
     tables.append(_tables.diagnostics_table(records))
     tables.extend(_tables.gradient_variance_tables(records))
-    figs = [f(records, label) for f in _figures.FIGURES]
-    return Section(f"Dataset {label}", tuple(paragraphs), tuple(t for t in tables if t is not None),
-                   tuple(f for f in figs if f is not None))
+    figs = []
+    for make in _figures.FIGURES:
+        made = make(records, label)
+        figs.extend(made if isinstance(made, list) else [made] if made is not None else [])
+    return Section(f"Dataset {label}", tuple(paragraphs), tuple(t for t in tables if t is not None), tuple(figs))
 
 
 def build_model(out: str | Path, title: str | None = None) -> ReportModel:

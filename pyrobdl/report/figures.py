@@ -18,7 +18,7 @@ import numpy as np
 from .model import Figure
 from .tables import HIGHER_IS_BETTER, by_method, mean_se, metric_values, ok_records
 
-__all__ = ["calibration", "elbo_curves", "encode", "predictive_bands", "quality_vs_cost"]
+__all__ = ["FIGURES", "calibration", "elbo_curves", "encode", "predictive_bands", "quality_vs_cost", "rank_plots"]
 
 DPI = 80
 #: Quality metric of the quality-versus-cost figure: the first one present.
@@ -81,6 +81,8 @@ def quality_vs_cost(records: Sequence[Mapping[str, Any]], dataset: str) -> Figur
     clipped = []
     for ax, key, xlabel in ((axes[0], "wall_time_s", "fit wall time (s)"),
                             (axes[1], "gradient_evaluations", "gradient evaluations")):
+        xs = [mean_se([(r.get("cost") or {}).get(key) for r in recs])[0] for recs in groups.values()]
+        xs = [x for x in xs if x > 0]
         for label, recs in groups.items():
             y, yse, n = ys[label]
             x, xse, _ = mean_se([(r.get("cost") or {}).get(key) for r in recs])
@@ -96,6 +98,8 @@ def quality_vs_cost(records: Sequence[Mapping[str, Any]], dataset: str) -> Figur
                         fmt="o", color=colors[label], label=label, capsize=3)
         ax.set_xscale("log")
         ax.xaxis.set_minor_formatter(NullFormatter())
+        if xs:  # whole decades, so the log axis always has labelled ticks
+            ax.set_xlim(10 ** math.floor(math.log10(min(xs) / 1.5)), 10 ** math.ceil(math.log10(max(xs) * 1.5)))
         ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
     pad = 0.05 * (hi - lo) if hi > lo else 1.0
@@ -224,6 +228,31 @@ def elbo_curves(records: Sequence[Mapping[str, Any]], dataset: str) -> Figure | 
                   "the y range drops the lowest 2% of values (early steps).")
 
 
-FIGURES: tuple[Callable[[Sequence[Mapping[str, Any]], str], Figure | None], ...] = (
-    quality_vs_cost, predictive_bands, calibration, elbo_curves,
+def rank_plots(records: Sequence[Mapping[str, Any]], dataset: str) -> list[Figure]:
+    """Function-space rank plots of multi-chain samplers, from their stored ArviZ data.
+
+    Drawn for every method whose first cell stored an ``InferenceData`` with a ``sample_stats``
+    group and more than one chain (MCMC), with :func:`pyrobdl.diagnostics.plots.plot_rank`.
+    """
+    from ..diagnostics import plots
+    from ..diagnostics.arviz_adapter import az
+
+    out = []
+    for label, recs in by_method(ok_records(records)).items():
+        first = _first(recs)
+        name = (first.get("artifacts") or {}).get("inference_data")
+        if not name or "_dir" not in first or not (Path(first["_dir"]) / name).exists():
+            continue
+        idata = az.from_netcdf(str(Path(first["_dir"]) / name))
+        if "sample_stats" not in idata.groups() or idata.posterior.sizes.get("chain", 1) < 2:
+            continue
+        fig = plots.plot_rank(idata, space="function", max_points=4)
+        out.append(encode(fig, f"{dataset}: {label} rank plots (function space)",
+                          f"Split {first['split']}, seed {first['seed']}: ranks of the network output at 4 test "
+                          "inputs, per chain; uniform histograms mean the chains agree."))
+    return out
+
+
+FIGURES: tuple[Callable[[Sequence[Mapping[str, Any]], str], Figure | list[Figure] | None], ...] = (
+    quality_vs_cost, predictive_bands, calibration, elbo_curves, rank_plots,
 )
