@@ -97,6 +97,9 @@ def test_map_is_the_posterior_mean_for_linear_gaussian(blr):
     point = torch.cat([q["layers.0.weight"].v.reshape(-1), q["layers.0.bias"].v.reshape(-1)]).double()
     err = ((point.detach() - blr.posterior.mean) / blr.posterior.posterior_sd).abs().max()
     assert err < MEAN_TOL_IN_SD
+    # draws of a point mass are detached copies of the point, not views tracking gradients
+    draws = posterior.sample(3)["layers.0.weight"]
+    assert not draws.requires_grad and torch.equal(draws[0], draws[2])
 
 
 def test_posterior_contract(blr):

@@ -175,4 +175,5 @@ class BNNGuide(PyroModule):
     @torch.no_grad()
     def sample_params(self, num_samples: int) -> dict[str, torch.Tensor]:
         """Draw ``num_samples`` joint draws of all sites: ``{name: [num_samples, *shape]}``."""
-        return {name: q.sample((num_samples,)) for name, q in self.variational_distributions().items()}
+        # detached: a point-mass guide's draws are views of its parameters
+        return {name: q.sample((num_samples,)).detach() for name, q in self.variational_distributions().items()}
