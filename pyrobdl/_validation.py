@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["as_tensor", "check_inputs", "check_data", "resolve_device"]
+__all__ = ["as_tensor", "check_data", "check_inputs", "positive_number", "resolve_device"]
+
+
+def positive_number(name: str, value: Any) -> float:
+    """Return ``value`` as a float if it is a finite number > 0, else raise naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return float(value)
 
 
 def as_tensor(name: str, value: Any, *, dtype: torch.dtype | None = None) -> torch.Tensor:

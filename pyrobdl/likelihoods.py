@@ -8,20 +8,15 @@ Minibatch scaling by the dataset size is done by the model's ``pyro.plate``, not
 
 from __future__ import annotations
 
-import math
 
 import pyro.distributions as dist
 import torch
 
+from ._validation import positive_number as _positive
+
 __all__ = ["Categorical", "Gaussian", "GaussianLearnedPrecision", "Likelihood"]
 
 
-def _positive(name: str, value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-    return float(value)
 
 
 class Likelihood:

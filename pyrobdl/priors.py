@@ -17,6 +17,8 @@ from typing import Sequence
 import pyro.distributions as dist
 import torch
 
+from ._validation import positive_number as _positive
+
 __all__ = ["Gaussian", "ImproperFlat", "ImproperLogUniform", "LogUniform", "Prior", "Site"]
 
 
@@ -79,12 +81,6 @@ class Prior:
         """Check the prior fits a network with ``num_layers`` linear layers (raise ValueError)."""
 
 
-def _positive(name: str, value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-    return float(value)
 
 
 class Gaussian(Prior):

@@ -3,7 +3,6 @@ r"""Mean-field Gaussian guide: Bayes by Backprop (Blundell et al., 2015)."""
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Any, ContextManager, Mapping
 
 import pyro.distributions as dist
@@ -11,16 +10,13 @@ import torch
 from pyro.distributions import constraints
 from pyro.nn import PyroParam
 
+from .._validation import positive_number
 from ..poutine import LocalReparameterizationMessenger
 from .base import BNNGuide, init_values
 
 __all__ = ["MeanField"]
 
 
-def _check_positive(name: str, value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-    return float(value)
 
 
 def _inverse_softplus(x: torch.Tensor) -> torch.Tensor:
@@ -70,7 +66,7 @@ class MeanField(BNNGuide):
         local_reparameterization: bool = False,
     ) -> None:
         super().__init__(model)
-        init_scale = _check_positive("init_scale", init_scale)
+        init_scale = positive_number("init_scale", init_scale)
         self.local_reparameterization = bool(local_reparameterization)
         values = init_values(self.site_specs, init_loc)
         self._transforms = {}
