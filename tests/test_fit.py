@@ -136,14 +136,18 @@ def test_minibatch_epochs_and_cost(blr):
     assert p.cost.epochs == pytest.approx(40 * 25 / 100)
 
 
-def test_kl_warmup_changes_the_objective(blr):
+def test_kl_warmup_scales_the_kl_term(blr):
     base = dict(num_steps=20, seed=0, progress=False, kl="analytic")
     plain = pyrobdl.fit(blr_model(), blr.x_train, blr.y_train, **base).history
     warm = pyrobdl.fit(blr_model(), blr.x_train, blr.y_train, kl_warmup=10, **base).history
-    # same draws, KL weighted by 1/10 at step 0: the first ELBO is larger; equal once weight hits 1
-    assert warm[0] > plain[0]
-    assert warm[10] == pytest.approx(plain[10], rel=1e-3) or warm[10] != plain[10]  # trajectories diverge
-    assert warm[0] - plain[0] > 0.1
+    # Same seed: same initial guide and same first draw, so at step 0 the two ELBOs differ only
+    # in the KL weight (0.1 with a 10-step warm-up against 1): warm - plain = 0.9 * KL(q0 || p).
+    pyro.set_rng_seed(0)
+    model = blr_model()
+    guide = pyrobdl.guides.MeanField(model, init_scale=1e-2)  # fit builds the same guide after seeding
+    q, p = guide.variational_distributions(), model.prior_distributions()
+    kl0 = sum(torch.distributions.kl_divergence(q[n], p[n]) for n in q).item()
+    assert warm[0] - plain[0] == pytest.approx(0.9 * kl0, rel=1e-4)
 
 
 def test_nan_loss_names_the_step(blr):
