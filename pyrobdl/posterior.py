@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 import pyro
 import torch
 
 from ._validation import check_inputs
+
+if TYPE_CHECKING:  # diagnostics imports this module
+    from .diagnostics.certification import Certification
 
 __all__ = ["Cost", "Posterior", "Prediction", "SVIPosterior"]
 
@@ -40,6 +43,9 @@ class Cost:
         (a high-water mark for the whole process, not only this fit).
     device : str
         Device the fit ran on, e.g. ``"cpu"`` or ``"cuda:0"``.
+    cpu_time_s : float or None
+        Process CPU seconds of the fit (all threads), beside the wall time: on a shared
+        machine wall time also measures other people's jobs.  None where not recorded.
     """
 
     wall_time_s: float
@@ -47,6 +53,7 @@ class Cost:
     epochs: float
     peak_memory_bytes: int
     device: str
+    cpu_time_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (JSON-serialisable)."""
@@ -115,7 +122,13 @@ class Posterior:
         Per-step objective trace (the ELBO for SVI; empty when a method has none).
     diagnostics : dict
         Method-specific diagnostics (sampler statistics for MCMC; empty for SVI).
+    certification : pyrobdl.diagnostics.Certification or None
+        Whether the posterior is certified as a reference (function-space R-hat, ESS,
+        divergences, E-BFMI; see ``docs/diagnostics.md``): set by methods that produce Markov
+        chains, None for the others (and for chains not yet certified).
     """
+
+    certification: Certification | None = None
 
     def __init__(
         self,

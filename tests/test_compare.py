@@ -274,6 +274,9 @@ def test_run_writes_records_and_resumes(tmp_path):
     assert summary.success and len(summary.ok) == 4 and not summary.skipped
     rec = read_result(out / "cells" / "gap__mean_field__split-1__seed-0" / RESULT_FILE)
     assert rec["status"] == "ok" and rec["reference"]["used"] is True
+    # MAP holds no chains, so no certification: agreement with it is flagged as meaningless
+    assert rec["reference"]["certified"] is False and rec["certification"] is None
+    assert any("not certified (no certification recorded)" in w for w in rec["warnings"])
     assert {"wall_time_s", "gradient_evaluations", "device"} <= set(rec["cost"])
     assert rec["config"]["method"]["options"]["num_steps"] == 30
     assert {"torch", "pyro", "arviz", "pyrobdl"} <= set(rec["versions"])
@@ -285,6 +288,29 @@ def test_run_writes_records_and_resumes(tmp_path):
     assert (out / "suite.toml").read_text() == path.read_text()
     again = run(path, out)
     assert again.success and not again.ok and len(again.skipped) == 4
+
+
+def test_mcmc_certification_is_recorded_and_an_uncertified_reference_flagged(tmp_path):
+    """A short HMC reference: its record holds its (failed) certification and fit's warning, as
+    text; the cells evaluated against it say the agreement means nothing (nothing escapes as an
+    error: pytest turns warnings into errors)."""
+    text = (TINY.replace("[suite]", '[suite]\nreference = "hmc"').replace("splits = [0, 1]", "splits = [0]")
+            + "\n[methods.hmc]\nnum_warmup = 5\nnum_samples = 8\nnum_chains = 2\nnum_steps = 3\n")
+    out = tmp_path / "out"
+    assert run(write(tmp_path, text), out).success
+    ref = read_result(out / "cells" / "gap__hmc__split-0__seed-0" / RESULT_FILE)
+    assert ref["is_reference"] and ref["certification"]["passed"] is False
+    assert ref["certification"] == ref["diagnostics"]["certification"]
+    assert ref["certification"]["num_chains"] == 2 and ref["certification"]["num_draws"] == 8
+    assert any(w.startswith("fit: UserWarning: the hmc posterior is not certified as a reference: ")
+               for w in ref["warnings"]), ref["warnings"]
+    rec = read_result(out / "cells" / "gap__mean_field__split-0__seed-0" / RESULT_FILE)
+    assert rec["certification"] is None  # an SVI method holds no chains
+    assert rec["reference"] == {"cell": ref["id"], "used": True, "note": "", "certified": False}
+    assert rec["metrics"]["reference_certified"] == 0.0 and "w2_to_reference" in rec["metrics"]
+    [sentence] = [w for w in rec["warnings"] if "not certified" in w]
+    assert sentence.startswith(f"the reference {ref['id']} is not certified ({ref['certification']['failures'][0]}")
+    assert sentence.endswith("agreement with it means nothing")
 
 
 def test_training_diagnostics_are_a_separate_metric_group(tmp_path):
@@ -487,7 +513,7 @@ def small_quickstart(tmp_path: Path) -> Path:
     for ds in doc["datasets"].values():
         ds.update({k: v for k, v in {"num_train": 30, "num_test": 40}.items() if k in ds})
     for table in doc["methods"].values():
-        for key, small in {"num_steps": 40, "num_warmup": 15, "num_samples": 15, "num_chains": 1,
+        for key, small in {"num_steps": 40, "num_warmup": 15, "num_samples": 15, "num_chains": 2,
                            "max_tree_depth": 3, "map_num_steps": 20, "num_particles": 4}.items():
             if key in table:
                 table[key] = small

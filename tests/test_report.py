@@ -163,6 +163,88 @@ def test_published_numbers_match_references_md():
     assert checked == 9
 
 
+# ----------------------------------------------------------------------------- certification
+
+FAILURE = "function-space R-hat 1.39 > 1.01 at 48 of 50 points"
+
+
+def certification(passed: bool) -> dict:
+    """A certification record as ``Certification.to_dict()`` writes it (NaN stored as null)."""
+    return {"passed": passed, "failures": [] if passed else [FAILURE, "bulk ESS 7 < 400 at 50 of 50 points"],
+            "rhat_method": "split", "rhat_max": 1.003 if passed else 1.39, "ess_bulk_min": 812.0 if passed else 7.0,
+            "ess_tail_min": 640.0 if passed else 9.0, "divergences": 0, "ebfmi_min": 0.9, "num_points": 50,
+            "num_chains": 4, "num_draws": 500,
+            "criteria": {"max_rhat": 1.01, "min_ess_bulk": 400.0, "min_ess_tail": 400.0, "max_divergences": 0,
+                         "min_ebfmi": 0.2, "rhat": "split", "superchain_size": 4}}
+
+
+def with_reference(tmp_path: Path, passed: bool | None, *, runner_flag: bool = True) -> Path:
+    """A nuts reference cell (certified, not, or without any certification recorded: None) and two
+    dropout cells evaluated against it; ``runner_flag=False`` leaves out what the runner writes into
+    the dependants (``reference.certified``, the ``reference_certified`` metric), as in older records."""
+    ref_id, ref, ref_arrays = record("boston", "nuts", 0, metrics={"rmse": 2.9, "test_ll": -2.4})
+    ref.update(is_reference=True, certification=None if passed is None else certification(passed))
+    ref["diagnostics"] = {"certification": ref["certification"]} if passed is not None else {}
+    items = [(ref_id, ref, ref_arrays)]
+    for split, w2 in ((0, 0.1), (1, 0.3)):
+        cid, rec, arrays = record("boston", "dropout", split, metrics={"rmse": 3.0, "test_ll": -2.5, "w2": w2},
+                                  reference_used=True)
+        rec["reference"]["cell"] = ref_id
+        if runner_flag:
+            rec["reference"]["certified"] = bool(passed)
+            rec["metrics"]["reference_certified"] = float(bool(passed))
+        items.append((cid, rec, arrays))
+    return store(tmp_path / "res", items)
+
+
+def test_report_says_when_the_reference_is_not_certified_and_greys_agreement(tmp_path):
+    files = build_report(with_reference(tmp_path, passed=False))
+    md, html = files.markdown.read_text(), files.html.read_text()
+    agreement = md.split("### Agreement with the reference posterior")[1].split("###")[0]
+    # in words, above the table, with the reference's own failures
+    sentence = (f"The reference (nuts) is NOT certified: {FAILURE}; bulk ESS 7 < 400 at 50 of 50 points; "
+                "agreement numbers below mean nothing and are greyed (†).")
+    assert agreement.lstrip().startswith(f"**{sentence}**")
+    # the numbers are marked, with a footnote; the flag key is not an agreement number
+    assert "| dropout | 2 | 0.2 ± 0.1 † |" in agreement
+    assert "† computed against a reference posterior that is not certified" in agreement
+    assert "reference_certified" not in agreement.split("\n\n")[2]  # the header row of the table
+    # the reference's row is marked, here and in the main table
+    assert "| **nuts (reference)** | 0 |" in agreement
+    assert "| **nuts (reference)** | 1 |" in md
+    # the same numbers in the table of all test metrics are marked too
+    everything = md.split("### All test metrics")[1].split("###")[0]
+    assert "| w2 | 0.2 ± 0.1 † |" in everything
+    # HTML: the sentence as a warning, greyed cells, a marked row
+    assert '<p class="preface warning">' in html and "NOT certified" in html
+    assert '<td class="uncertified">0.2 ± 0.1 †</td>' in html
+    assert '<tr class="reference"><td>nuts (reference)</td>' in html
+    assert "td.uncertified" in html  # styled by the page's own CSS
+    # the section says it in words as well
+    assert "It is NOT certified as a reference: see the agreement table." in md
+
+
+def test_report_of_a_certified_reference_marks_nothing(tmp_path):
+    files = build_report(with_reference(tmp_path, passed=True))
+    md, html = files.markdown.read_text(), files.html.read_text()
+    agreement = md.split("### Agreement with the reference posterior")[1].split("###")[0]
+    assert agreement.lstrip().startswith("The reference (nuts) is certified: function-space R-hat")
+    assert "| dropout | 2 | 0.2 ± 0.1 |" in agreement
+    assert "†" not in md and 'class="uncertified"' not in html and "preface warning" not in html
+    assert '<p class="preface">The reference (nuts) is certified' in html
+    assert "| **nuts (reference)** |" in agreement
+
+
+@pytest.mark.parametrize("runner_flag", [True, False])
+def test_report_of_a_reference_without_certification(tmp_path, runner_flag):
+    """Records from before certifications (or a reference method without chains): not certified,
+    found from the reference cell's record when the dependants carry no flag."""
+    md = build_report(with_reference(tmp_path, passed=None, runner_flag=runner_flag)).markdown.read_text()
+    assert ("**The reference (nuts) is NOT certified: no certification recorded; agreement numbers below mean "
+            "nothing and are greyed (†).**") in md
+    assert "| dropout | 2 | 0.2 ± 0.1 † |" in md
+
+
 @pytest.mark.skipif(not CHROMIUM.exists(), reason="headless Chromium (/usr/bin/chromium) not installed")
 def test_html_renders_in_headless_chromium(results, tmp_path):
     page = build_report(results).html

@@ -200,10 +200,15 @@ class StoredPosterior(Posterior):
         Registry name of the method that produced the draws.
     cost : Cost, optional
         Cost of the original fit.
+    certification : pyrobdl.diagnostics.Certification, optional
+        The original fit's certification as a reference (what
+        :func:`pyrobdl.diagnostics.evaluate` reports as ``reference_certified``).
     """
 
-    def __init__(self, model: Any, draws: Mapping[str, torch.Tensor], method: str, cost: Cost | None = None) -> None:
+    def __init__(self, model: Any, draws: Mapping[str, torch.Tensor], method: str, cost: Cost | None = None,
+                 certification: Any = None) -> None:
         super().__init__(model, method, {}, cost or Cost(0.0, 0, 0.0, 0, str(model.device)))
+        self.certification = certification
         self._stored = {k: v.to(model.device) for k, v in draws.items()}
         self._n = next(iter(self._stored.values())).shape[0]
 

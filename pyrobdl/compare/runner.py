@@ -8,8 +8,11 @@ for the resume policy), runs the reference cells first and then the rest, and re
 :func:`pyrobdl.fit`, :func:`pyrobdl.diagnostics.evaluate` on the test split (against the
 reference when the dataset names one) and :func:`pyrobdl.diagnostics.fit_diagnostics` on the
 training split (PSIS-LOO, the VI Pareto k̂), the stored artifacts, and finally the record.  A cell that raises is
-recorded with its error and the others go on.  Nothing here depends on which method a cell
-runs: methods are looked up in the registry and only used through the posterior contract.
+recorded with its error and the others go on.  The fit's and the evaluation's warnings (e.g. "not
+certified as a reference", a saturated sampler) are recorded in the cell's ``warnings`` as text; a
+cell evaluated against a reference whose certification failed, or was never recorded, says so there
+and in ``reference.certified``.  Nothing here depends on which method a cell runs: methods are
+looked up in the registry and only used through the posterior contract.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import shutil
 import socket
 import time
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -219,7 +223,12 @@ def _write_inference_data(path: Path, posterior: Any, data: Any, num_samples: in
 
 
 def _load_reference(task: CellTask, data: Any, device: torch.device) -> tuple[Any, str]:
-    """The reference posterior of ``task`` from its cell's stored draws, or (None, why not)."""
+    """The reference posterior of ``task`` from its cell's stored draws, or (None, why not).
+
+    Its ``certification`` is the reference cell's recorded one; a record without one (a method
+    without chains, or a record written before certifications existed) gives a failed
+    certification, "no certification recorded".
+    """
     ref_dir = Path(task.out) / "cells" / str(task.cell.reference)
     path = ref_dir / REFERENCE_DRAWS
     try:
@@ -229,10 +238,19 @@ def _load_reference(task: CellTask, data: Any, device: torch.device) -> tuple[An
     if record["status"] != "ok" or not path.exists():
         return None, f"reference {task.cell.reference} unavailable: its cell {record['status']}"
     model = build_model(task.reference_model or {}, data).to(device)
+    from ..diagnostics.certification import Certification
     from ..posterior import Cost
 
     cost = Cost(**record["cost"]) if isinstance(record.get("cost"), dict) else None
-    return artifacts.StoredPosterior(model, artifacts.load_draws(path), str(task.reference_method), cost), ""
+    recorded = record.get("certification")
+    certification = (Certification.from_dict(recorded) if isinstance(recorded, dict)
+                     else Certification.missing("no certification recorded"))
+    return artifacts.StoredPosterior(model, artifacts.load_draws(path), str(task.reference_method), cost,
+                                     certification), ""
+
+
+def _warning_texts(stage: str, caught: Sequence[warnings.WarningMessage]) -> list[str]:
+    return [f"{stage}: {w.category.__name__}: {w.message}" for w in caught]
 
 
 def run_cell(task: CellTask) -> CellOutcome:
@@ -259,8 +277,9 @@ def run_cell(task: CellTask) -> CellOutcome:
         "split": cell.split, "seed": cell.seed, "is_reference": cell.is_reference,
         "config": spec, "config_hash": cell.config_hash, "published": spec["published"],
         "started_at": _now(), "host": socket.gethostname(), "versions": library_versions(),
-        "metrics": {}, "train_metrics": {}, "exact_metrics": {}, "cost": None, "reference": {"cell": cell.reference, "used": False, "note": ""},
-        "warnings": [], "artifacts": {}, "error": None,
+        "metrics": {}, "train_metrics": {}, "exact_metrics": {}, "cost": None,
+        "reference": {"cell": cell.reference, "used": False, "note": "", "certified": None},
+        "certification": None, "warnings": [], "artifacts": {}, "error": None,
     }
     stage = "load data"
     try:
@@ -271,10 +290,18 @@ def run_cell(task: CellTask) -> CellOutcome:
         record["data"] = _data_info(data, model)
         stage = "fit"
         cpu_fit = time.process_time()
-        posterior = fit(
-            model, data.x_train, data.y_train, spec["method"]["name"], seed=cell.seed,
-            device=task.device, progress=task.progress, **spec["method"]["options"],
-        )
+        # fit's warnings (not certified as a reference, a saturated sampler) belong in the record
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", UserWarning)
+            try:
+                posterior = fit(
+                    model, data.x_train, data.y_train, spec["method"]["name"], seed=cell.seed,
+                    device=task.device, progress=task.progress, **spec["method"]["options"],
+                )
+            finally:
+                record["warnings"] += _warning_texts("fit", caught)
+        certification = getattr(posterior, "certification", None)
+        record["certification"] = certification.to_dict() if certification is not None else None
         record["cost"] = posterior.cost.to_dict()
         record["fit_cpu_time_s"] = time.process_time() - cpu_fit
         record["diagnostics"] = posterior.diagnostics
@@ -288,9 +315,24 @@ def run_cell(task: CellTask) -> CellOutcome:
             record["reference"].update(used=reference is not None, note=note)
             if note:
                 record["warnings"].append(note)
+            if reference is not None:
+                ref_cert = reference.certification
+                record["reference"]["certified"] = bool(ref_cert.passed)
+                if not ref_cert.passed:
+                    record["warnings"].append(
+                        f"the reference {cell.reference} is not certified ({'; '.join(ref_cert.failures)}): "
+                        "agreement with it means nothing"
+                    )
         stage = "evaluate"
         t_eval = time.perf_counter()
-        record["metrics"] = _evaluate(posterior, data, reference, n, seed)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", UserWarning)
+            # said above in the record's own words
+            warnings.filterwarnings("ignore", message="agreement with an uncertified reference", category=UserWarning)
+            try:
+                record["metrics"] = _evaluate(posterior, data, reference, n, seed)
+            finally:
+                record["warnings"] += _warning_texts("evaluate", caught)
         record["exact_metrics"] = artifacts.exact_posterior_metrics(posterior.model, posterior, data, n, seed)
         if spec.get("fit_diagnostics", True):
             stage = "fit diagnostics"

@@ -35,6 +35,7 @@ with warnings.catch_warnings():
 __all__ = [
     "LooResult",
     "az",
+    "bfmi",
     "chain_draws",
     "convergence",
     "pareto_k",
@@ -77,6 +78,18 @@ def convergence(draws: Any) -> dict[str, np.ndarray]:
         "ess_bulk": np.asarray(az.ess(dataset, method="bulk")["x"].values),
         "ess_tail": np.asarray(az.ess(dataset, method="tail")["x"].values),
     }
+
+
+def bfmi(energy: Any) -> np.ndarray:
+    """ArviZ's E-BFMI (``az.bfmi``) of each chain's energy ``[chain, iteration]``.
+
+    pyrobdl computes E-BFMI itself (:func:`pyrobdl.diagnostics.certification.ebfmi`); this is
+    ArviZ's value, for comparison.
+    """
+    arr = np.asarray(energy, dtype=float)
+    if arr.ndim != 2:
+        raise ValueError(f"energy must have shape [chain, iteration], got {arr.shape}")
+    return np.asarray(az.bfmi(arr), dtype=float)
 
 
 # ----------------------------------------------------------------------------- draws

@@ -3,13 +3,15 @@ r"""Scores of a posterior on held-out data: one flat dict of named floats per ca
 :func:`evaluate` is what the comparison runner calls for every cell: it predicts at the test
 inputs, computes the regression or classification metrics of :mod:`pyrobdl.diagnostics.metrics`
 (on the original target scale when the targets were standardised), and, given a reference
-posterior, the agreement metrics.  :func:`fit_diagnostics` scores a fit on its *training* data
+posterior, the agreement metrics (and whether the reference is certified: agreement with an
+uncertified reference means nothing).  :func:`fit_diagnostics` scores a fit on its *training* data
 (PSIS-LOO, and the PSIS :math:`\hat k` of a variational approximation).  Every key is documented in
 ``docs/diagnostics.md``.  Nothing here branches on a method's name.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import numpy as np
@@ -20,6 +22,7 @@ from .._validation import as_tensor, check_data, check_inputs
 from ..posterior import Posterior, Prediction
 from . import metrics
 from .arviz_adapter import pareto_k, pointwise_log_likelihood, psis_loo
+from .certification import Certification
 
 __all__ = [
     "classification_scores",
@@ -291,6 +294,13 @@ def _resolve_reference(reference: Any, model: Any, x: torch.Tensor) -> Posterior
     )
 
 
+def _reference_certification(reference: Any) -> Certification | None:
+    """The certification a reference carries (a stored Reference, an MCMCPosterior, a
+    StoredPosterior of the suite), or None when it carries none."""
+    cert = getattr(reference, "certification", None)
+    return cert if isinstance(cert, Certification) else None
+
+
 def evaluate(
     posterior: Posterior,
     x_test: Any,
@@ -317,7 +327,8 @@ def evaluate(
         agreement keys.  A bare Prediction is only checked for the number of points; pass
         ``(x_reference, prediction)``, or a stored reference with ``x_eval`` and
         ``prediction()`` (:func:`pyrobdl.inference.reference.load_reference`), to have the
-        inputs compared too.
+        inputs compared too.  A reference that carries a certification (a stored reference,
+        an MCMC posterior, the suite's stored reference draws) adds ``reference_certified``.
     num_samples : int, default 500
         Posterior draws for the predictive (and for a reference Posterior).
     seed : int, default 0
@@ -337,6 +348,14 @@ def evaluate(
         Classification: ``accuracy``, ``nll``, ``test_ll``, ``brier``, ``ece``,
         ``predictive_entropy``, ``expected_entropy``, ``mutual_information``; with a reference
         ``agreement``, ``total_variation``.
+        Both tasks, with a reference that carries a certification: ``reference_certified``
+        (1.0 when it passed, 0.0 when not).
+
+    Warns
+    -----
+    UserWarning
+        "agreement with an uncertified reference means nothing: ..." when the reference's
+        certification failed (the failures follow).
 
     Raises
     ------
@@ -364,7 +383,13 @@ def evaluate(
         _target_scale(y_mean, y_std, model.out_features)
     elif not (np.all(np.asarray(y_mean) == 0.0) and np.all(np.asarray(y_std) == 1.0)):
         raise ValueError("y_mean/y_std standardise regression targets; this posterior is a classification model")
+    certification = _reference_certification(reference)
     ref = _resolve_reference(reference, model, x)
+    if certification is not None and not certification.passed:
+        warnings.warn(
+            f"agreement with an uncertified reference means nothing: the reference is {certification.summary()}",
+            UserWarning, stacklevel=2,
+        )
 
     prediction = posterior.predict(x, num_samples, seed=seed)
     if task == "regression":
@@ -374,6 +399,8 @@ def evaluate(
     if ref is not None:
         ref_pred = ref.predict(x.to(ref.model.device), num_samples, seed=seed) if isinstance(ref, Posterior) else ref
         scores.update(reference_scores(prediction, ref_pred, y_mean=y_mean, y_std=y_std, seed=seed))
+        if certification is not None:
+            scores["reference_certified"] = float(certification.passed)
     return scores
 
 

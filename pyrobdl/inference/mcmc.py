@@ -7,8 +7,9 @@ things around the kernels and changes nothing inside them:
 * **chains run one after the other in this process**, each with its own seed derived from
   ``seed`` (reproducible, no worker processes, and the same code on CPU and CUDA);
 * **per-iteration statistics** (leapfrog steps, step size, acceptance statistic, divergence,
-  log density) are recorded while the chain runs, because Pyro resets the kernel's counters at
-  the end of ``MCMC.run`` (DESIGN.md, known traps);
+  log density, the Hamiltonian at the start of the trajectory) are recorded while the chain
+  runs, because Pyro resets the kernel's counters at the end of ``MCMC.run`` (DESIGN.md, known
+  traps) and keeps no energy at all;
 * **convergence diagnostics** (R-hat, bulk/tail ESS through
   :func:`pyrobdl.diagnostics.arviz_adapter.convergence`) on the weights and, more usefully for
   a neural network, on the function values at fixed inputs.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -63,7 +65,11 @@ NUTS_OPTIONS = {**_COMMON, "max_tree_depth": 10}
 # A quarter period of a unit-scale Gaussian (the scale the adapted mass matrix aims at): an
 # exact trajectory of length pi/2 maps x to the fresh momentum, i.e. an independent draw,
 # whereas Pyro's default 2*pi is a full oscillation that returns near the start (DESIGN.md).
-HMC_OPTIONS = {**_COMMON, "trajectory_length": math.pi / 2, "num_steps": None, "jitter": 0.5}
+# max_num_steps bounds one iteration's gradients: with a collapsed step size, ceil(L/eps) steps
+# are unbounded (measured: eps = 8.4e-6 after 4 warm-up iterations, ~190,000 gradients in one
+# iteration).  1024 is the budget of NUTS's default tree depth 10 (2**10 - 1 steps).
+HMC_OPTIONS = {**_COMMON, "trajectory_length": math.pi / 2, "num_steps": None, "jitter": 0.5,
+               "max_num_steps": 1024}
 
 
 @dataclass(frozen=True)
@@ -88,6 +94,12 @@ class SamplerTrace:
     log_joint : numpy.ndarray
         Log joint density of the current state in Pyro's unconstrained space (including the
         log-Jacobian of constrained sites), i.e. minus the potential energy.
+    energy : numpy.ndarray or None
+        Hamiltonian at the start of the iteration's trajectory, :math:`H = U(z) + K(r)`: the
+        potential energy of the state the iteration starts from (``-log_joint`` of the previous
+        iteration) plus the kinetic energy :math:`\tfrac12 r^\top M^{-1} r` of the momentum just
+        drawn, exactly Pyro's ``energy_current``.  What E-BFMI and ``az.plot_energy`` read;
+        None when not recorded.
     """
 
     num_warmup: int
@@ -97,6 +109,7 @@ class SamplerTrace:
     diverging: np.ndarray
     tree_depth: np.ndarray | None
     log_joint: np.ndarray
+    energy: np.ndarray | None = None
 
 
 class _Counted:
@@ -117,10 +130,30 @@ class _Recording:
     search (``_find_reasonable_step_size``, a private method of Pyro 1.9's HMC, re-run at the
     end of each warm-up window: ``test_step_size_search_is_not_counted_as_leapfrog_steps``
     fails loudly if a Pyro release changes it).
+
+    The energy is taken in ``_sample_r``: Pyro 1.9's ``HMC.sample`` and ``NUTS.sample`` both
+    compute ``energy_current = self._kinetic_energy(r_unscaled) + potential_energy`` right after
+    ``self._sample_r(name="r_t=...")``, with ``potential_energy`` the cached
+    ``_potential_energy_last`` (recomputed and cached first when the cache was cleared).  Only
+    the first draw of each ``sample`` is the trajectory's momentum: the step-size search
+    (run after the trajectory, at the end of warm-up windows) draws its own.
     """
 
     def _start_recording(self, counter: _Counted) -> None:
         self._counter, self._search_calls, self.rows, self.moved = counter, 0, [], 0
+        self._energy: float | None = None
+        self._want_energy = False
+
+    def _sample_r(self, name):
+        r, r_unscaled = super()._sample_r(name)
+        if self._want_energy:
+            self._want_energy = False
+            self._energy = float(self._kinetic_energy(r_unscaled) + self._potential_energy_last)
+        return r, r_unscaled
+
+    def _num_steps_capped(self) -> bool:
+        """Whether the coming iteration's step count is cut by a cap (only ``_HMC`` has one)."""
+        return False
 
     def _find_reasonable_step_size(self, z):
         before = self._counter.calls
@@ -133,13 +166,18 @@ class _Recording:
         step, t = float(self.step_size), self._t
         mean0, calls0, search0 = self._mean_accept_prob, self._counter.calls, self._search_calls
         divergences0 = len(self._divergences)
+        capped = self._num_steps_capped()  # step size and jitter are those of this trajectory
+        self._energy, self._want_energy = float("nan"), True
         z = super().sample(params)
+        self._want_energy = False
         n = self._t - self._warmup_steps if self._t > self._warmup_steps else self._t
         # Pyro keeps only a running mean of the acceptance statistic; undo the update.
         accept = n * self._mean_accept_prob - (n - 1) * mean0 if n > 1 else self._mean_accept_prob
         steps = (self._counter.calls - calls0) - (self._search_calls - search0)
         diverged = len(self._divergences) > divergences0
-        self.rows.append((t, steps, step, accept, diverged, -float(self._potential_energy_last)))
+        self.rows.append(
+            (t, steps, step, accept, diverged, -float(self._potential_energy_last), self._energy, capped)
+        )
         self.moved = self._accept_cnt  # sampling iterations whose state changed, before cleanup resets it
         return z
 
@@ -160,22 +198,36 @@ class _HMC(_Recording, HMC):
     drawn from torch's generator, which breaks the periodicity of a fixed length in directions
     where it is close to a multiple of half a period (Neal 2011 recommends choosing the step
     size or the trajectory length at random from a small interval).
+
+    No iteration takes more than ``max_num_steps`` steps: when the step size collapses (a bad
+    start in warm-up), :math:`\lceil L/\epsilon \rceil` is unbounded.
     """
 
-    def __init__(self, *args: Any, fixed_num_steps: int | None = None, jitter: float = 0.0, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, fixed_num_steps: int | None = None, jitter: float = 0.0,
+                 max_num_steps: int = HMC_OPTIONS["max_num_steps"], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._fixed_num_steps, self._jitter, self._scale = fixed_num_steps, jitter, 1.0
+        self._max_num_steps = max_num_steps
 
     def sample(self, params):
         if self._jitter:
             self._scale = 1.0 + self._jitter * (2.0 * float(torch.rand(())) - 1.0)
         return super().sample(params)
 
+    def _wanted_num_steps(self) -> float:
+        """The step count before the cap; a float, so a collapsed step size gives inf, not an error."""
+        if self._fixed_num_steps is not None:
+            return float(max(1, round(self._fixed_num_steps * self._scale)))
+        step = float(self.step_size)
+        ratio = self._scale * self.trajectory_length / step if step > 0 else math.inf
+        return float(max(1, math.ceil(ratio))) if math.isfinite(ratio) else math.inf
+
+    def _num_steps_capped(self) -> bool:
+        return self._wanted_num_steps() > self._max_num_steps
+
     @property
     def num_steps(self) -> int:
-        if self._fixed_num_steps is not None:
-            return max(1, round(self._fixed_num_steps * self._scale))
-        return max(1, math.ceil(self._scale * self.trajectory_length / self.step_size))
+        return int(min(self._max_num_steps, self._wanted_num_steps()))
 
 
 def chain_seeds(seed: int, num_chains: int) -> list[int]:
@@ -222,8 +274,12 @@ def _check_options(options: Mapping[str, Any]) -> None:
         j = options["jitter"]
         if isinstance(j, bool) or not isinstance(j, (int, float)) or not 0 <= j < 1:
             raise ValueError(f"jitter must be in [0, 1), got {j!r}")
+        _int(options, "max_num_steps", 1)
         if options["num_steps"] is not None:
             _int(options, "num_steps", 1)
+            if options["num_steps"] > options["max_num_steps"]:
+                raise ValueError(f"num_steps={options['num_steps']} exceeds max_num_steps="
+                                 f"{options['max_num_steps']}: raise max_num_steps or lower num_steps")
 
 
 def _check_model(model: Any, options: Mapping[str, Any]) -> None:
@@ -312,6 +368,12 @@ def run_mcmc(
         With ``potential="direct"``, if the direct potential disagrees with Pyro's traced one
         at a chain's starting point (the model has terms the direct potential does not know).
 
+    Warns
+    -----
+    UserWarning
+        When ``max_num_steps`` cut some HMC trajectory (warm-up or sampling), or some NUTS
+        sampling iteration reached ``max_tree_depth``; the counts are in ``diagnostics``.
+
     Notes
     -----
     Chain ``c`` is seeded with ``chain_seeds(seed, num_chains)[c]`` before its initial point is
@@ -352,13 +414,19 @@ def run_mcmc(
         torch.cuda.synchronize(device)
     wall = time.perf_counter() - start
     trace = _trace(rows, options["num_warmup"], method)
+    capped = np.array([[r[7] for r in chain] for chain in rows], dtype=bool) if method == "hmc" else None
     leapfrog = int(trace.num_steps.sum())
     cost = Cost(wall_time_s=wall, gradient_evaluations=leapfrog + map_grads, epochs=float(leapfrog + map_grads),
                 peak_memory_bytes=_peak_memory(device), device=str(device))
     posterior = MCMCPosterior(model, draws, trace, method=method, settings=dict(options), cost=cost)
-    diagnostics = _sampler_summary(trace, accept_rates, other_grads, map_grads, options)
+    diagnostics = _sampler_summary(trace, accept_rates, other_grads, map_grads, options, capped)
     diagnostics.update(posterior.convergence_summary(x[: options["diagnostic_points"]]))
     posterior.diagnostics = diagnostics
+    _warn_saturation(diagnostics, options)
+    # reference certification at the same points (fit warns when it fails; docs/diagnostics.md)
+    from ..diagnostics.certification import attach_certification
+
+    attach_certification(posterior, x[: options["diagnostic_points"]])
     return posterior
 
 
@@ -370,21 +438,25 @@ def _make_kernel(method: str, potential: Callable, transforms: Mapping[str, Any]
     )
     if method == "nuts":
         return _NUTS(max_tree_depth=options["max_tree_depth"], **common)
+    hmc = dict(jitter=options["jitter"], max_num_steps=options["max_num_steps"], **common)
     if options["num_steps"] is not None:
-        return _HMC(num_steps=options["num_steps"], fixed_num_steps=options["num_steps"], jitter=options["jitter"],
-                    **common)
-    return _HMC(trajectory_length=options["trajectory_length"], jitter=options["jitter"], **common)
+        return _HMC(num_steps=options["num_steps"], fixed_num_steps=options["num_steps"], **hmc)
+    return _HMC(trajectory_length=options["trajectory_length"], **hmc)
 
 
 def _trace(rows: list[list[tuple]], num_warmup: int, method: str) -> SamplerTrace:
-    arr = np.array([[r[1:] for r in chain] for chain in rows], dtype=float)  # [C, T, 5]
+    # a row: (t, steps, step size, accept, diverged, log joint, energy, capped)
+    arr = np.array([[r[1:7] for r in chain] for chain in rows], dtype=float)  # [C, T, 6]
     steps = arr[..., 0].astype(np.int64)
     depth = np.vectorize(int.bit_length, otypes=[np.int64])(steps) if method == "nuts" else None
-    return SamplerTrace(num_warmup, steps, arr[..., 1], arr[..., 2], arr[..., 3].astype(bool), depth, arr[..., 4])
+    return SamplerTrace(num_warmup, steps, arr[..., 1], arr[..., 2], arr[..., 3].astype(bool), depth, arr[..., 4],
+                        energy=arr[..., 5])
 
 
 def _sampler_summary(trace: SamplerTrace, accept_rates: list[float], other_grads: list[int], map_grads: int,
-                     options: Mapping[str, Any]) -> dict[str, Any]:
+                     options: Mapping[str, Any], capped: np.ndarray | None = None) -> dict[str, Any]:
+    """The sampler part of ``diagnostics``; ``capped`` [chain, iteration] marks HMC iterations whose
+    step count ``max_num_steps`` cut (None for NUTS)."""
     w = trace.num_warmup
     out: dict[str, Any] = {
         "num_chains": options["num_chains"],
@@ -403,7 +475,44 @@ def _sampler_summary(trace: SamplerTrace, accept_rates: list[float], other_grads
         depth = trace.tree_depth[:, w:]
         out["mean_tree_depth"] = [float(d) for d in depth.mean(1)]
         out["max_tree_depth_fraction"] = [float(f) for f in (depth >= options["max_tree_depth"]).mean(1)]
+    if capped is not None:
+        out["num_steps_cap_hits_warmup"] = [int(c) for c in capped[:, :w].sum(1)]
+        out["num_steps_cap_hits_sampling"] = [int(c) for c in capped[:, w:].sum(1)]
+    if trace.energy is not None:
+        # E-BFMI, sum of squared successive differences of the sampling iterations' energy over its
+        # sum of squared deviations (= az.bfmi); the one implementation is the certification's
+        from ..diagnostics.certification import ebfmi
+
+        # nan (a one-draw chain, constant energy) is not JSON: None instead
+        out["ebfmi"] = [float(b) if math.isfinite(b) else None for b in ebfmi(trace.energy[:, w:])]
     return out
+
+
+def _warn_saturation(diagnostics: Mapping[str, Any], options: Mapping[str, Any]) -> None:
+    """One UserWarning when HMC's step cap or NUTS's tree depth limited some trajectory."""
+    if "num_steps_cap_hits_warmup" in diagnostics:
+        warmup, sampling = diagnostics["num_steps_cap_hits_warmup"], diagnostics["num_steps_cap_hits_sampling"]
+        hits = sum(warmup) + sum(sampling)
+        if hits:
+            total = options["num_chains"] * (options["num_warmup"] + options["num_samples"])
+            warnings.warn(
+                f"hmc: max_num_steps={options['max_num_steps']} cut the leapfrog steps of {hits} of {total} "
+                f"iterations (per chain: {warmup} in warm-up, {sampling} while sampling), so their "
+                "trajectories were shorter than asked. Usually the step size collapsed in warm-up (see "
+                "diagnostics['step_size']): try a longer warm-up, another init_strategy (e.g. 'map'), "
+                "a larger max_num_steps, or NUTS.",
+                UserWarning, stacklevel=5,  # the caller of fit (fit -> run -> run_mcmc)
+            )
+    fractions = diagnostics.get("max_tree_depth_fraction")
+    if fractions and max(fractions) > 0:
+        per_chain = ", ".join(f"{100 * f:.3g}%" for f in fractions)  # 3 digits: 1 of 2000 is not "0%"
+        warnings.warn(
+            f"nuts: {per_chain} of sampling iterations (per chain) hit max_tree_depth="
+            f"{options['max_tree_depth']}, so their trajectories stopped before a U-turn: the "
+            "draws are more correlated than the sampler intended. Check function-space ESS, or raise "
+            "max_tree_depth (each level doubles the cost of a saturated iteration).",
+            UserWarning, stacklevel=5,  # the caller of fit (fit -> run -> run_mcmc)
+        )
 
 
 # --------------------------------------------------------------------------------- posterior
@@ -483,6 +592,8 @@ class MCMCPosterior(Posterior):
             "acceptance_rate": tr.accept_prob[:, w:],
             "lp": tr.log_joint[:, w:],
         }
+        if tr.energy is not None:
+            stats["energy"] = tr.energy[:, w:]
         if tr.tree_depth is not None:
             stats["tree_depth"] = tr.tree_depth[:, w:]
         return stats
@@ -535,6 +646,26 @@ class MCMCPosterior(Posterior):
             latents[name] = {k: float(v) for k, v in conv.items()}
         out["latents"] = latents
         return out
+
+    def certify(self, x: Any, criteria: Any = None) -> Any:
+        """Certify the chains as a reference posterior at inputs ``x``; store and return the result.
+
+        Parameters
+        ----------
+        x : array-like
+            Inputs ``[N, in_features]`` at which the function draws are diagnosed.
+        criteria : pyrobdl.diagnostics.CertificationCriteria, optional
+            Default: posteriordb's thresholds with split R-hat.
+
+        Returns
+        -------
+        pyrobdl.diagnostics.Certification
+            Also kept in :attr:`certification` (see :func:`pyrobdl.diagnostics.certify`).
+        """
+        from ..diagnostics.certification import certify
+
+        self.certification = certify(self, x, criteria)
+        return self.certification
 
 
 def _register(name: str, options: dict[str, Any], summary: str) -> None:

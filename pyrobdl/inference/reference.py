@@ -1,6 +1,7 @@
 r"""Reference posteriors: run long NUTS once, save its draws, compare other methods against them.
 
-:func:`run_reference` fits ``method="nuts"`` (or ``"hmc"``) and writes two files:
+:func:`run_reference` fits ``method="nuts"`` (or any registered method whose result is an
+:class:`~pyrobdl.inference.mcmc.MCMCPosterior`: ``"hmc"``, ...) and writes two files:
 
 * ``<name>.npz`` — ``x_eval`` ``[N, in]``; ``function_draws`` ``[C*D, N, out]``, the network
   output at ``x_eval`` for *every* draw (chain-major); ``latent:<site>`` ``[C*D, ...]``, every
@@ -8,8 +9,10 @@ r"""Reference posteriors: run long NUTS once, save its draws, compare other meth
   aleatoric noise and log-likelihoods) can be rebuilt at ``x_eval``; and
   ``draws:<site>`` ``[C, T, ...]``, every site's draws thinned by ``thin`` per chain, to
   predict at other inputs later;
-* ``<name>.json`` — a sidecar with the settings, model description, cost, diagnostics,
-  library versions, fingerprints of the training data and the SHA-256 of the ``.npz``.
+* ``<name>.json`` — a sidecar with the settings, model description, cost, diagnostics, the
+  posterior's certification as a reference (``certification``, see
+  :class:`~pyrobdl.diagnostics.Certification`), library versions, fingerprints of the training
+  data and the SHA-256 of the ``.npz``.
 
 Both are written atomically (temporary file in the same directory, then ``os.replace``), the
 ``.npz`` first and the sidecar last, so a sidecar only exists for a complete ``.npz`` and the
@@ -39,9 +42,10 @@ import torch
 
 from .. import likelihoods as _likelihoods
 from .._validation import check_data, check_inputs
+from ..diagnostics.certification import Certification
 from ..posterior import Cost, Prediction, predictive_from_draws
 from .mcmc import MCMCPosterior
-from .registry import fit
+from .registry import fit, get_method
 
 __all__ = ["FORMAT", "Reference", "load_reference", "run_reference"]
 
@@ -136,6 +140,9 @@ class Reference:
         The JSON sidecar (settings, model, cost, diagnostics, versions, fingerprints).
     likelihood : pyrobdl.likelihoods.Likelihood
         The observation model (the given model's, or rebuilt from the sidecar).
+    certification : pyrobdl.diagnostics.Certification
+        Read from the sidecar (property); a sidecar written before certifications were recorded
+        gives a failed one, "no certification recorded".
     """
 
     path: Path
@@ -145,6 +152,14 @@ class Reference:
     draws: Mapping[str, torch.Tensor]
     metadata: Mapping[str, Any]
     likelihood: Any = field(repr=False)
+
+    @property
+    def certification(self) -> Certification:
+        """Whether the reference is certified (see :func:`pyrobdl.diagnostics.certify`)."""
+        recorded = self.metadata.get("certification")
+        if not isinstance(recorded, Mapping):
+            return Certification.missing("no certification recorded")
+        return Certification.from_dict(recorded)
 
     def prediction(self) -> Prediction:
         """The posterior predictive at ``x_eval`` from every stored draw (no network needed)."""
@@ -162,8 +177,10 @@ class Reference:
         _check_model(model, self.metadata, self.path)
         samples = {k: v.to(model.device) for k, v in self.draws.items()}
         meta = self.metadata
-        return MCMCPosterior(model, samples, None, method=meta["method"], settings=meta["settings"],
-                             cost=Cost(**meta["cost"]), diagnostics=meta["diagnostics"])
+        posterior = MCMCPosterior(model, samples, None, method=meta["method"], settings=meta["settings"],
+                                  cost=Cost(**meta["cost"]), diagnostics=meta["diagnostics"])
+        posterior.certification = self.certification  # of the full run, not of the thinned draws
+        return posterior
 
 
 def _check_model(model: Any, metadata: Mapping[str, Any], path: Path) -> None:
@@ -217,8 +234,9 @@ def run_reference(
         Output ``.npz`` file; the sidecar is the same path with ``.json``.
     thin : int, default 10
         Keep every ``thin``-th draw of each chain for the stored weights.
-    method : {"nuts", "hmc"}, default "nuts"
-        The sampler.
+    method : str, default "nuts"
+        A registered method whose result is an
+        :class:`~pyrobdl.inference.mcmc.MCMCPosterior` (``"nuts"``, ``"hmc"``, ...).
     seed : int, default 0
         Seed of the fit.
     device : str or torch.device, optional
@@ -233,18 +251,25 @@ def run_reference(
     Returns
     -------
     Reference
-        What :func:`load_reference` returns for the written files.
+        What :func:`load_reference` returns for the written files; its ``certification`` (also
+        in the sidecar) is the fit's, at the first ``diagnostic_points`` training inputs.
 
     Raises
     ------
     ValueError
-        Bad ``path``, ``thin``, ``method``, options or data (before sampling).
+        Bad ``path``, ``thin``, unknown ``method``, options or data (before sampling); a method
+        whose result holds no chains (after the fit, before anything is written).
     FileExistsError
         If ``path`` exists and ``overwrite`` is False.
+
+    Warns
+    -----
+    UserWarning
+        From :func:`pyrobdl.fit` when the posterior is not certified as a reference; the files
+        are written all the same, with the failed certification in the sidecar.
     """
     npz, sidecar = _paths(path)
-    if method not in ("nuts", "hmc"):
-        raise ValueError(f"method must be 'nuts' or 'hmc' for a reference, got {method!r}")
+    get_method(method)  # unknown names fail here, listing the valid ones
     if isinstance(thin, bool) or not isinstance(thin, int) or thin < 1:
         raise ValueError(f"thin must be an integer >= 1, got {thin!r}")
     if not overwrite and (npz.exists() or sidecar.exists()):
@@ -255,6 +280,11 @@ def run_reference(
     x_t, y_t = check_data(model, x, y)
 
     posterior = fit(model, x, y, method=method, seed=seed, device=device, progress=progress, **options)
+    if not isinstance(posterior, MCMCPosterior):
+        raise ValueError(
+            f"method {method!r} returned a {type(posterior).__name__}, not Markov chains (an MCMCPosterior): "
+            "a reference must be sampled by an MCMC method such as 'nuts'"
+        )
     x_eval_t = x_eval_t.to(model.device)
     f = posterior.function_draws(x_eval_t)
     total = posterior.num_chains * posterior.num_draws
@@ -281,6 +311,9 @@ def run_reference(
         "settings": _jsonable(posterior.settings),
         "cost": posterior.cost.to_dict(),
         "diagnostics": _jsonable(posterior.diagnostics),
+        "certification": (
+            _jsonable(posterior.certification.to_dict()) if posterior.certification is not None else None
+        ),
         "data": {"num_train": int(x_t.shape[0]), "x_sha256": _fingerprint(x_t), "y_sha256": _fingerprint(y_t),
                  "x_eval_sha256": _fingerprint(x_eval_t)},
         "versions": {"pyrobdl": _version(), "pyro": pyro.__version__, "torch": torch.__version__},

@@ -9,6 +9,7 @@ options against the registry *before* any work, seeds, moves the model to the de
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -175,6 +176,12 @@ def fit(
         Unknown method or option, invalid data, or a model the method cannot handle; raised
         before any training.
 
+    Warns
+    -----
+    UserWarning
+        When the posterior carries a certification (MCMC methods) that failed: it is not
+        certified as a reference posterior, and the message lists why.
+
     Examples
     --------
     >>> posterior = fit(model, x, y, method="mean_field", num_steps=2000, lr=1e-2, seed=0)
@@ -198,4 +205,12 @@ def fit(
     model.to(dev)
     pyro.set_rng_seed(seed)
     full.update(seed=seed, device=str(dev))
-    return meth.run(model, x, y, full, progress)
+    posterior = meth.run(model, x, y, full, progress)
+    certification = getattr(posterior, "certification", None)
+    if certification is not None and not certification.passed:
+        warnings.warn(
+            f"the {method} posterior is not certified as a reference: {'; '.join(certification.failures)}. "
+            "Agreement with it means nothing; run longer chains (docs/diagnostics.md, Certification).",
+            UserWarning, stacklevel=2,
+        )
+    return posterior

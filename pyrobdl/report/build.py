@@ -92,18 +92,17 @@ def _dataset_section(label: str, records: Sequence[Mapping[str, Any]]) -> Sectio
         paragraphs.append(f"Model: {common}" + (f"; except {'; '.join(others)}." if others else "."))
         refs = sorted({x["method"] for x in oks if x.get("is_reference")})
         if refs:
+            _, certified = _tables.reference_status(records)
             paragraphs.append(f"Reference posterior: {', '.join(refs)} (first seed of each split); the other cells "
-                              "are compared with it in the agreement table.")
+                              "are compared with it in the agreement table."
+                              + ("" if certified else " It is NOT certified as a reference: see the agreement table."))
     tables = [_tables.main_table(records)]
     tables.append(_tables.published_table(records))
     ref_keys = _tables.reference_metric_keys(records)
     if ref_keys:
-        tables.append(_tables.all_metrics_table(
-            records, ref_keys, "Agreement with the reference posterior",
-            "Metrics computed against the reference's predictive (see docs/diagnostics.md); mean ± s.e.",
-        ))
+        tables.append(_tables.agreement_table(records, ref_keys))
     tables.append(_tables.exact_table(records))
-    tables.append(_tables.all_metrics_table(records))
+    tables.append(_tables.all_metrics_table(records, agreement_keys=ref_keys))
     tables.append(_tables.training_table(records))
     tables.append(_tables.diagnostics_table(records))
     tables.extend(_tables.gradient_variance_tables(records))

@@ -25,9 +25,18 @@ class Table:
     rows : tuple of tuple of str
         One tuple per row, same length as ``columns``.
     row_kinds : tuple of str
-        Per row: ``"ours"``, ``"published"``, ``"failed"`` or ``""`` (used for styling only).
+        Per row: ``"ours"``, ``"published"``, ``"failed"``, ``"reference"`` (the reference
+        posterior's method) or ``""`` (used for styling only).
     note : str
         A sentence under the table (sources, how to read it).
+    cell_kinds : tuple of tuple of str
+        Per row, per cell: ``"uncertified"`` for a number computed against a reference that is
+        not certified (greyed; its text already carries the ``†`` marker), or ``""``.  Rows or
+        cells beyond its length are plain.
+    preface : str
+        A sentence above the table (e.g. that the reference is not certified).
+    preface_kind : str
+        ``"warning"`` or ``""`` (styling of the preface only).
     """
 
     title: str
@@ -35,6 +44,14 @@ class Table:
     rows: tuple[tuple[str, ...], ...]
     row_kinds: tuple[str, ...] = ()
     note: str = ""
+    cell_kinds: tuple[tuple[str, ...], ...] = ()
+    preface: str = ""
+    preface_kind: str = ""
+
+    def cell_kind(self, row: int, col: int) -> str:
+        """The kind of one cell (``""`` when none is set)."""
+        kinds = self.cell_kinds[row] if row < len(self.cell_kinds) else ()
+        return kinds[col] if col < len(kinds) else ""
 
 
 @dataclass(frozen=True)

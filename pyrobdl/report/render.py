@@ -23,6 +23,10 @@ th, td { border: 1px solid #ddd; padding: .25em .5em; text-align: right; vertica
 th { background: #f3f3f3; } td:first-child, th:first-child { text-align: left; }
 tr.published td { color: #555; font-style: italic; background: #fafafa; }
 tr.failed td { background: #fde8e8; }
+tr.reference td { font-weight: 600; }
+td.uncertified { color: #999; background: #f4f4f4; }
+p.preface { font-size: .9em; max-width: 60em; }
+p.preface.warning { border-left: 4px solid #c0392b; padding-left: .6em; color: #7b241c; }
 p.note { font-size: .8em; color: #555; max-width: 60em; }
 figure { margin: 1em 0; } figcaption { font-size: .8em; color: #555; }
 img { max-width: 100%; border: 1px solid #eee; }
@@ -41,9 +45,18 @@ def _html_table(t: Table) -> str:
     for i, row in enumerate(t.rows):
         kind = t.row_kinds[i] if i < len(t.row_kinds) else ""
         cls = f' class="{e(kind)}"' if kind else ""
-        body.append(f"<tr{cls}>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>")
+        cells = []
+        for j, c in enumerate(row):
+            ck = t.cell_kind(i, j)
+            cells.append(f'<td class="{e(ck)}">{e(c)}</td>' if ck else f"<td>{e(c)}</td>")
+        body.append(f"<tr{cls}>" + "".join(cells) + "</tr>")
     note = f'<p class="note">{e(t.note)}</p>' if t.note else ""
-    return f"<h3>{e(t.title)}</h3>\n<table>\n<tr>{head}</tr>\n" + "\n".join(body) + f"\n</table>\n{note}"
+    preface = ""
+    if t.preface:
+        pcls = f"preface {t.preface_kind}" if t.preface_kind else "preface"
+        preface = f'<p class="{e(pcls)}">{e(t.preface)}</p>\n'
+    return (f"<h3>{e(t.title)}</h3>\n{preface}<table>\n<tr>{head}</tr>\n" + "\n".join(body)
+            + f"\n</table>\n{note}")
 
 
 def _html_section(s: Section) -> str:
@@ -79,13 +92,18 @@ def _md_cell(text: str) -> str:
 
 
 def _md_table(t: Table) -> str:
-    lines = [f"### {t.title}", "", "| " + " | ".join(_md_cell(c) for c in t.columns) + " |",
-             "|" + "|".join("---" for _ in t.columns) + "|"]
+    lines = [f"### {t.title}", ""]
+    if t.preface:
+        lines += [f"**{t.preface}**" if t.preface_kind == "warning" else t.preface, ""]
+    lines += ["| " + " | ".join(_md_cell(c) for c in t.columns) + " |",
+              "|" + "|".join("---" for _ in t.columns) + "|"]
     for i, row in enumerate(t.rows):
         kind = t.row_kinds[i] if i < len(t.row_kinds) else ""
         cells = [_md_cell(c) for c in row]
         if kind == "published" and cells:
             cells[0] = f"*{cells[0]}*"
+        if kind == "reference" and cells:
+            cells[0] = f"**{cells[0]}**"
         lines.append("| " + " | ".join(cells) + " |")
     if t.note:
         lines += ["", t.note]

@@ -8,6 +8,10 @@ shown as "—" for a single cell).  Published numbers come from
 Verdict against a published number (for metrics with a direction): with :math:`d` the
 difference in our favour and :math:`\sigma = \sqrt{se_{ours}^2 + se_{pub}^2}`, "beats" when
 :math:`d > 2\sigma`, "matches" when :math:`|d| \le 2\sigma`, "misses" when :math:`d < -2\sigma`.
+
+A number computed against a reference posterior that is not certified (see
+:func:`reference_certified`) is marked with :data:`UNCERTIFIED_MARK` and the cell kind
+``"uncertified"`` (greyed in the HTML), and the agreement table says so in words above it.
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ __all__ = [
     "HIGHER_IS_BETTER",
     "KEY_METRICS",
     "METRIC_GROUPS",
+    "REFERENCE_CERTIFIED",
+    "UNCERTIFIED_MARK",
+    "agreement_table",
     "all_metrics_table",
     "cost_rows",
     "diagnostics_table",
@@ -36,7 +43,10 @@ __all__ = [
     "metric_values",
     "published_rows",
     "published_table",
+    "reference_certified",
     "reference_metric_keys",
+    "reference_methods",
+    "reference_status",
     "training_table",
 ]
 
@@ -49,6 +59,12 @@ KEY_METRICS = (
 HIGHER_IS_BETTER = {"rmse": False, "test_ll": True, "test_error": False, "accuracy": True, "nll": False}
 #: Metrics derived from stored ones for comparison with published numbers.
 DERIVED = {"test_error": ("accuracy", lambda a: 1.0 - a)}
+#: Key of ``pyrobdl.diagnostics.evaluate`` saying whether the reference was certified (1.0 / 0.0):
+#: a flag about the agreement numbers, not one of them.
+REFERENCE_CERTIFIED = "reference_certified"
+#: Appended to a number computed against a reference that is not certified.
+UNCERTIFIED_MARK = " †"
+UNCERTIFIED_NOTE = "† computed against a reference posterior that is not certified: the number means nothing."
 
 
 def _finite(v: Any) -> bool:
@@ -138,7 +154,91 @@ def reference_metric_keys(records: Sequence[Mapping[str, Any]]) -> list[str]:
     unused = [r for r in ok_records(records) if not (r.get("reference") or {}).get("used")]
     if not used or not unused:
         return []
-    return sorted(set(_metric_keys(used, "metrics")) - set(_metric_keys(unused, "metrics")))
+    return sorted(set(_metric_keys(used, "metrics")) - set(_metric_keys(unused, "metrics")) - {REFERENCE_CERTIFIED})
+
+
+def _index(records: Iterable[Mapping[str, Any]]) -> dict[str, Mapping[str, Any]]:
+    return {str(r["id"]): r for r in records if "id" in r}
+
+
+def reference_certified(record: Mapping[str, Any], index: Mapping[str, Mapping[str, Any]]) -> bool | None:
+    """Whether the reference ``record`` was evaluated against is certified; None if it used none.
+
+    Read from, in order: the record's ``reference.certified`` (written by the runner), its
+    ``reference_certified`` metric, and the ``certification`` of the reference cell's own record
+    in ``index`` (cell id -> record).  Older records with none of these count as not certified:
+    no certification was recorded.
+    """
+    ref = record.get("reference") or {}
+    if not ref.get("used"):
+        return None
+    if isinstance(ref.get("certified"), bool):
+        return ref["certified"]
+    flag = (record.get("metrics") or {}).get(REFERENCE_CERTIFIED)
+    if _finite(flag):
+        return flag == 1.0
+    cert = (index.get(str(ref.get("cell"))) or {}).get("certification")
+    return bool(cert.get("passed")) if isinstance(cert, Mapping) else False
+
+
+def _reference_cells(records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """Finished reference cells: flagged ``is_reference`` or named by another cell's ``reference``."""
+    named = {str((r.get("reference") or {}).get("cell")) for r in records}
+    cells = {str(r["id"]): r for r in ok_records(records) if r.get("is_reference") or str(r.get("id")) in named}
+    return sorted(cells.values(), key=lambda r: (r.get("split", 0), r.get("seed", 0)))
+
+
+def reference_methods(records: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Method labels of the reference cells among ``records``."""
+    return sorted({r["method"] for r in _reference_cells(records)})
+
+
+def _failures(record: Mapping[str, Any]) -> list[str]:
+    cert = record.get("certification")
+    if not isinstance(cert, Mapping):
+        return ["no certification recorded"]
+    return [str(f) for f in cert.get("failures") or []] or ([] if cert.get("passed") else ["failed"])
+
+
+def reference_status(records: Sequence[Mapping[str, Any]]) -> tuple[str, bool]:
+    """A sentence on whether the reference posterior is certified, and whether every cell's is.
+
+    Returns ``("", True)`` when no cell used a reference.
+    """
+    oks = ok_records(records)
+    index = _index(records)
+    flags = [reference_certified(r, index) for r in oks]
+    flags = [f for f in flags if f is not None]
+    if not flags:
+        return "", True
+    methods = reference_methods(records)
+    name = f"The reference ({', '.join(methods)})" if methods else "The reference"
+    if all(flags):
+        return (f"{name} is certified: function-space R-hat, bulk and tail ESS, divergences and E-BFMI meet "
+                "the reference-posterior criteria (docs/diagnostics.md, Certification)."), True
+    refs = _reference_cells(records)
+    bad = [r for r in refs if not isinstance(r.get("certification"), Mapping)
+           or not r["certification"].get("passed")]
+    if len(refs) == 1 and bad:
+        why = "; ".join(_failures(bad[0]))
+    elif bad:
+        why = f"in {len(bad)} of {len(refs)} splits: " + " | ".join(
+            f"split {r.get('split')}: {'; '.join(_failures(r))}" for r in bad)
+    elif refs:
+        why = "some cells were evaluated against a reference whose certification was not recorded"
+    else:
+        why = "no certification recorded"
+    return (f"{name} is NOT certified: {why}; agreement numbers below mean nothing and are greyed "
+            f"({UNCERTIFIED_MARK.strip()})."), False
+
+
+def _flag(text: str, uncertified: bool) -> tuple[str, str]:
+    return (text + UNCERTIFIED_MARK, "uncertified") if uncertified and text != "—" else (text, "")
+
+
+def _uncertified(recs: Sequence[Mapping[str, Any]], key: str, index: Mapping[str, Mapping[str, Any]]) -> bool:
+    """Some record with metric ``key`` was computed against a reference that is not certified."""
+    return any(reference_certified(r, index) is False for r in recs if key in (r.get("metrics") or {}))
 
 
 def _matches(row: PublishedRow, record: Mapping[str, Any]) -> str | None:
@@ -187,13 +287,14 @@ def main_table(records: Sequence[Mapping[str, Any]]) -> Table:
     columns = ("method", "cells", *keys, "fit time (s)", "gradient evals", "device")
     rows, kinds = [], []
     costs = cost_rows(oks)
+    refs = set(reference_methods(records))
     for label, recs in by_method(oks).items():
         cells = [fmt_mean_se(*mean_se(metric_values(recs, k))[:2]) for k in keys]
         c = costs[label]
         devices = sorted({str((r.get("cost") or {}).get("device", "")) for r in recs})
-        rows.append((label, str(len(recs)), *cells, fmt_mean_se(*c["wall_time_s"][:2]),
-                     fmt(c["gradient_evaluations"][0]), ", ".join(devices)))
-        kinds.append("ours")
+        rows.append((f"{label} (reference)" if label in refs else label, str(len(recs)), *cells,
+                     fmt_mean_se(*c["wall_time_s"][:2]), fmt(c["gradient_evaluations"][0]), ", ".join(devices)))
+        kinds.append("reference" if label in refs else "ours")
     for row, ds_key, labels in published_rows(oks):
         vals = row.results.get(ds_key, {})
         cells = [fmt_mean_se(*vals[k]) if k in vals else "" for k in keys]
@@ -235,17 +336,62 @@ def published_table(records: Sequence[Mapping[str, Any]]) -> Table | None:
 
 
 def all_metrics_table(records: Sequence[Mapping[str, Any]], keys: Sequence[str] | None = None,
-                      title: str = "All test metrics", note: str = "", group: str = "metrics") -> Table | None:
-    """Metrics (rows) x methods (columns), mean ± s.e.; ``keys`` restricts the metrics of ``group``."""
+                      title: str = "All test metrics", note: str = "", group: str = "metrics",
+                      agreement_keys: Iterable[str] = ()) -> Table | None:
+    """Metrics (rows) x methods (columns), mean ± s.e.; ``keys`` restricts the metrics of ``group``.
+
+    Cells of ``agreement_keys`` computed against a reference that is not certified are marked
+    (:data:`UNCERTIFIED_MARK`, cell kind ``"uncertified"``).
+    """
     oks = ok_records(records)
     groups = by_method(oks)
     keys = list(keys) if keys is not None else _metric_keys(oks, group)
     if not keys or not groups:
         return None
-    rows = tuple(
-        (k, *[fmt_mean_se(*mean_se(metric_values(recs, k))[:2]) for recs in groups.values()]) for k in keys
-    )
-    return Table(title, ("metric", *groups), rows, (), note or "Mean ± standard error over splits and seeds.")
+    flagged, index = set(agreement_keys), _index(records)
+    rows, cell_kinds = [], []
+    for k in keys:
+        cells = [_flag(fmt_mean_se(*mean_se(metric_values(recs, k))[:2]), k in flagged and _uncertified(recs, k, index))
+                 for recs in groups.values()]
+        rows.append((k, *[c for c, _ in cells]))
+        cell_kinds.append(("", *[kind for _, kind in cells]))
+    note = note or "Mean ± standard error over splits and seeds."
+    if any("uncertified" in kinds for kinds in cell_kinds):
+        note += " " + UNCERTIFIED_NOTE
+    return Table(title, ("metric", *groups), tuple(rows), (), note, tuple(cell_kinds))
+
+
+def agreement_table(records: Sequence[Mapping[str, Any]], keys: Sequence[str] | None = None) -> Table | None:
+    """Agreement with the reference posterior: methods (rows) x agreement metrics, mean ± s.e.
+
+    Only cells that were evaluated against a reference count.  A sentence above the table says
+    whether the reference is certified (:func:`reference_status`); numbers computed against an
+    uncertified reference are marked and greyed; the reference's own row is marked.
+    """
+    keys = list(keys) if keys is not None else reference_metric_keys(records)
+    oks = ok_records(records)
+    if not keys or not oks:
+        return None
+    index = _index(records)
+    refs = set(reference_methods(records))
+    rows, kinds, cell_kinds = [], [], []
+    for label, recs in by_method(oks).items():
+        used = [r for r in recs if (r.get("reference") or {}).get("used")]
+        if not used and label not in refs:
+            continue
+        cells = [_flag(fmt_mean_se(*mean_se(metric_values(used, k))[:2]), _uncertified(used, k, index)) for k in keys]
+        rows.append((f"{label} (reference)" if label in refs else label, str(len(used)), *[c for c, _ in cells]))
+        kinds.append("reference" if label in refs else "ours")
+        cell_kinds.append(("", "", *[kind for _, kind in cells]))
+    if not rows:
+        return None
+    preface, certified = reference_status(records)
+    note = ("Metrics computed against the reference's predictive (see docs/diagnostics.md); mean ± s.e. over "
+            "the cells evaluated against it (the reference method's own row: its other seeds, the noise floor).")
+    if not certified:
+        note += " " + UNCERTIFIED_NOTE
+    return Table("Agreement with the reference posterior", ("method", "cells", *keys), tuple(rows), tuple(kinds),
+                 note, tuple(cell_kinds), preface, "" if certified else "warning")
 
 
 def exact_table(records: Sequence[Mapping[str, Any]]) -> Table | None:
@@ -298,7 +444,9 @@ def diagnostics_table(records: Sequence[Mapping[str, Any]]) -> Table | None:
     """
     rows = []
     for label, recs in by_method(ok_records(records)).items():
-        flat = [_flatten(r.get("diagnostics") or {}) for r in recs]
+        # the certification's thresholds are the same for every cell: not diagnostics
+        flat = [{k: v for k, v in _flatten(r.get("diagnostics") or {}).items()
+                 if not k.startswith("certification.criteria.")} for r in recs]
         for key in sorted({k for f in flat for k in f}):
             vals = [f[key] for f in flat if key in f]
             summ = [s for s in (_summarise(v) for v in vals) if s is not None]

@@ -1,0 +1,571 @@
+r"""Certification of an MCMC posterior as a *reference*: has it converged well enough to compare with?
+
+Agreement with a reference posterior means something only when the reference has converged
+(DESIGN.md, "A reference is certified or it is not").  :func:`certify` checks an MCMC posterior
+against :class:`CertificationCriteria` and returns a :class:`Certification`: pass or fail, the
+measured values, and one human-readable sentence per failed criterion.
+
+The criteria follow posteriordb's definition of a reference posterior (its
+``doc/REFERENCE_POSTERIOR_DEFINITION.md``: R-hat below 1.01, no divergent transitions after
+warm-up, the E-BFMI threshold 0.2, read here as E-BFMI of at least 0.2 in every chain, and 10,000
+nearly independent draws, which pyrobdl replaces by Vehtari et al.'s (2021) bulk and tail ESS of
+at least 400), carried to **function space**: R-hat and ESS are computed for the network output
+:math:`f(x_n)` at fixed inputs :math:`x_1 \dots x_N` (class probabilities for classification), not
+for the weights.  The weights of a neural network are not
+identifiable (hidden units can be permuted and their signs flipped without changing the
+function), so weight-space R-hat is large and weight-space ESS tiny even for a sampler whose
+predictions have converged (DESIGN.md, known traps); the predictions are what a reference is used
+for.  A function-space certificate does not prove that every mode of the posterior was visited:
+only that the chains agree about the predictions at these inputs.
+
+Two R-hats are available: ``"split"``, the rank-normalised split R-hat of Vehtari et al. (2021)
+computed by ArviZ (for a few long chains), and ``"nested"``, the nested R-hat of Margossian et al.
+(2024) for many short chains grouped in superchains (:func:`nested_rhat`, implemented here in
+numpy since ArviZ has none).  Every ArviZ call goes through
+:mod:`pyrobdl.diagnostics.arviz_adapter`.
+
+References
+----------
+M. Betancourt. Diagnosing suboptimal cotangent disintegrations in Hamiltonian Monte Carlo.
+arXiv:1604.00695, 2016.
+
+M. Magnusson, J. Torgander, P.-C. Bürkner, L. Zhang, B. Carpenter, A. Vehtari. posteriordb:
+testing, benchmarking and developing Bayesian inference algorithms (arXiv:2407.04967, 2024); the
+reference-posterior definition is ``doc/REFERENCE_POSTERIOR_DEFINITION.md`` of
+github.com/stan-dev/posteriordb.
+
+C. C. Margossian, M. D. Hoffman, P. Sountsov, L. Riou-Durand, A. Vehtari, A. Gelman. Nested
+:math:`\hat R`: assessing the convergence of Markov chain Monte Carlo when running many short
+chains. Bayesian Analysis, 2024 (arXiv:2110.13017).
+
+A. Vehtari, A. Gelman, D. Simpson, B. Carpenter, P.-C. Bürkner. Rank-normalization, folding, and
+localization: an improved R-hat for assessing convergence of MCMC. Bayesian Analysis, 2021.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from .._validation import check_inputs
+from .arviz_adapter import convergence
+
+__all__ = [
+    "MIN_DRAWS",
+    "RHAT_METHODS",
+    "Certification",
+    "CertificationCriteria",
+    "attach_certification",
+    "certify",
+    "ebfmi",
+    "nested_rhat",
+]
+
+#: R-hat variants :class:`CertificationCriteria` accepts.
+RHAT_METHODS = ("split", "nested")
+#: Fewest draws per chain with which R-hat and ESS are defined (ArviZ's minimum as well).
+MIN_DRAWS = 4
+#: At most this many chain indices are listed in an E-BFMI failure sentence.
+_MAX_LISTED = 8
+
+
+def _number(owner: str, name: str, value: Any, *, low: float, strict: bool) -> None:
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    if not ok or (value <= low if strict else value < low):
+        raise ValueError(f"{owner}.{name} must be a finite number {'>' if strict else '>='} {low:g}, got {value!r}")
+
+
+def _integer(owner: str, name: str, value: Any, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{owner}.{name} must be an integer >= {low}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class CertificationCriteria:
+    r"""What a posterior must satisfy to be certified as a reference.
+
+    Defaults: posteriordb's reference-posterior definition (R-hat, divergences, E-BFMI) with
+    Vehtari et al.'s (2021) ESS of 400 in place of its 10,000 nearly independent draws, carried
+    to function space (see the module docstring).
+
+    Attributes
+    ----------
+    max_rhat : float, default 1.01
+        Largest R-hat allowed at every input point and output (every quantity).
+    min_ess_bulk : float, default 400
+        Smallest bulk effective sample size allowed (all chains together), every quantity
+        (Vehtari et al. 2021 ask for 100 per chain with four chains).
+    min_ess_tail : float, default 400
+        Smallest tail effective sample size (of the 5% and 95% quantiles) allowed.
+    max_divergences : int, default 0
+        Divergent transitions allowed after warm-up, all chains together.
+    min_ebfmi : float, default 0.2
+        Smallest E-BFMI allowed in *every* chain (:func:`ebfmi`).
+    rhat : {"split", "nested"}, default "split"
+        ``"split"``: rank-normalised split R-hat (Vehtari et al. 2021), what ``az.rhat``
+        computes; ``"nested"``: nested R-hat (Margossian et al. 2024, :func:`nested_rhat`) for
+        many short chains, chains ``c*superchain_size .. (c+1)*superchain_size - 1`` forming
+        superchain ``c``.
+    superchain_size : int, default 4
+        Chains per superchain (``rhat="nested"`` only).
+
+    Raises
+    ------
+    ValueError
+        For an invalid value; the message names the field.
+    """
+
+    max_rhat: float = 1.01
+    min_ess_bulk: float = 400.0
+    min_ess_tail: float = 400.0
+    max_divergences: int = 0
+    min_ebfmi: float = 0.2
+    rhat: str = "split"
+    superchain_size: int = 4
+
+    def __post_init__(self) -> None:
+        owner = "CertificationCriteria"
+        _number(owner, "max_rhat", self.max_rhat, low=1.0, strict=True)
+        _number(owner, "min_ess_bulk", self.min_ess_bulk, low=0.0, strict=False)
+        _number(owner, "min_ess_tail", self.min_ess_tail, low=0.0, strict=False)
+        _integer(owner, "max_divergences", self.max_divergences, 0)
+        _number(owner, "min_ebfmi", self.min_ebfmi, low=0.0, strict=False)
+        if self.rhat not in RHAT_METHODS:
+            raise ValueError(f"{owner}.rhat must be one of {list(RHAT_METHODS)}, got {self.rhat!r}")
+        _integer(owner, "superchain_size", self.superchain_size, 1)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict (JSON-serialisable)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> CertificationCriteria:
+        """Inverse of :meth:`to_dict`; missing keys take their defaults, unknown keys are an error."""
+        unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown CertificationCriteria field(s) {unknown}")
+        return cls(**dict(data))
+
+
+@dataclass(frozen=True)
+class Certification:
+    r"""Whether a posterior is certified as a reference, and what was measured.
+
+    Attributes
+    ----------
+    passed : bool
+        True exactly when ``failures`` is empty.
+    failures : tuple of str
+        One sentence per failed criterion, e.g. ``"function-space R-hat 1.04 > 1.01 at 12 of 50
+        points"``, ``"7 divergences after warm-up"``, ``"energy not recorded: E-BFMI cannot be
+        checked"``.
+    rhat_method : {"split", "nested"}
+        The R-hat that was computed.
+    rhat_max : float
+        Largest function-space R-hat over points and outputs (nan when it could not be computed
+        or is not finite somewhere).
+    ess_bulk_min, ess_tail_min : float
+        Smallest bulk / tail ESS over points and outputs (nan when not computed).
+    divergences : int or None
+        Divergent transitions after warm-up, all chains (None: no sampler trace).
+    ebfmi_min : float or None
+        Smallest per-chain E-BFMI (None: energy not recorded; nan: not computable).
+    num_points : int
+        Input points the function was evaluated at.
+    num_chains, num_draws : int
+        Chains, and draws per chain.
+    criteria : CertificationCriteria
+        What was required.
+    """
+
+    passed: bool
+    failures: tuple[str, ...]
+    rhat_method: str
+    rhat_max: float
+    ess_bulk_min: float
+    ess_tail_min: float
+    divergences: int | None
+    ebfmi_min: float | None
+    num_points: int
+    num_chains: int
+    num_draws: int
+    criteria: CertificationCriteria = field(default_factory=CertificationCriteria)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "failures", tuple(str(f) for f in self.failures))
+        if bool(self.passed) != (not self.failures):
+            raise ValueError(f"passed={self.passed!r} contradicts failures={self.failures!r}")
+
+    @classmethod
+    def missing(cls, reason: str = "no certification recorded") -> Certification:
+        """A failed certification standing for one that was never computed (e.g. an old file)."""
+        nan = float("nan")
+        return cls(False, (reason,), "split", nan, nan, nan, None, None, 0, 0, 0)
+
+    def summary(self) -> str:
+        """One line: ``"certified (...)"`` or ``"not certified: failure; failure"``."""
+        if not self.passed:
+            return "not certified: " + "; ".join(self.failures)
+        parts = [f"function-space {'nested ' if self.rhat_method == 'nested' else ''}R-hat "
+                 f"{_fmt(self.rhat_max, 3)} ≤ {self.criteria.max_rhat:g}",
+                 f"bulk ESS {_fmt(self.ess_bulk_min, 0)}", f"tail ESS {_fmt(self.ess_tail_min, 0)}",
+                 f"{self.divergences} divergences", f"E-BFMI {_fmt(self.ebfmi_min, 2)}"]
+        return (f"certified ({', '.join(parts)}; {self.num_chains} chains x {self.num_draws} draws "
+                f"at {self.num_points} points)")
+
+    def __str__(self) -> str:
+        return self.summary()
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict (JSON-serialisable; a non-finite value is a float nan)."""
+        out = dataclasses.asdict(self)
+        out["failures"] = list(self.failures)
+        out["criteria"] = self.criteria.to_dict()
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Certification:
+        """Inverse of :meth:`to_dict`.  Tolerates JSON's losses: a None where a measured float was
+        (strict JSON writers store nan as null) reads back as nan.
+
+        Raises
+        ------
+        ValueError
+            If a field is missing or unknown.
+        """
+        names = {f.name for f in dataclasses.fields(cls)}
+        missing, unknown = sorted(names - set(data) - {"criteria"}), sorted(set(data) - names)
+        if missing or unknown:
+            raise ValueError(f"not a certification record: missing {missing}, unknown {unknown}")
+        d = dict(data)
+        for key in ("rhat_max", "ess_bulk_min", "ess_tail_min"):
+            d[key] = float("nan") if d[key] is None else float(d[key])
+        if d["ebfmi_min"] is not None:
+            d["ebfmi_min"] = float(d["ebfmi_min"])
+        if d["divergences"] is not None:
+            d["divergences"] = int(d["divergences"])
+        for key in ("num_points", "num_chains", "num_draws"):
+            d[key] = int(d[key])
+        d["failures"] = tuple(d["failures"])
+        d["passed"] = bool(d["passed"])
+        d["criteria"] = CertificationCriteria.from_dict(d.get("criteria") or {})
+        return cls(**d)
+
+
+def _fmt(value: float | None, decimals: int) -> str:
+    if value is None:
+        return "—"
+    if not math.isfinite(value):
+        return str(value)
+    return f"{value:.{decimals}f}"
+
+
+def _beyond(value: float, limit: float, upper: bool) -> str:
+    """``value`` with the fewest decimals (from 2, or 0 for ESS-like numbers) that still show it
+    on the failing side of ``limit`` (so 1.0103 > 1.01 is not printed as "1.01 > 1.01")."""
+    start = 0 if abs(limit) >= 10 else 2
+    for d in range(start, 7):
+        text = f"{value:.{d}f}"
+        if (float(text) > limit) if upper else (float(text) < limit):
+            return text
+    return repr(value)
+
+
+# ----------------------------------------------------------------------------- statistics
+
+
+def nested_rhat(draws: Any, superchain_size: int) -> np.ndarray:
+    r"""Nested :math:`\hat R` (Margossian et al. 2024) of each scalar quantity.
+
+    Parameters
+    ----------
+    draws : array-like
+        ``[chain, draw, *dims]``; chains ``k*M .. (k+1)*M - 1`` form superchain ``k``
+        (``M = superchain_size``), ideally chains started from the same point.
+    superchain_size : int
+        Chains per superchain :math:`M`.
+
+    Returns
+    -------
+    numpy.ndarray
+        Shape ``dims``: :math:`\hat R_\nu` of every quantity (nan or inf where the
+        within-superchain variance is zero).
+
+    Raises
+    ------
+    ValueError
+        Unless the chains form at least two superchains of ``superchain_size`` chains.
+
+    Notes
+    -----
+    With :math:`K` superchains of :math:`M` chains of :math:`N` draws
+    :math:`\theta^{(nmk)}`, chain means :math:`\bar\theta^{(\cdot mk)}`, superchain means
+    :math:`\bar\theta^{(\cdot\cdot k)}` (over all :math:`MN` draws) and overall mean
+    :math:`\bar\theta^{(\cdot\cdot\cdot)}` (eqs. 4-8 of the paper, as in the R package
+    ``posterior::rhat_nested``):
+
+    .. math::
+
+        \hat B_\nu &= \frac{1}{K-1}\sum_{k=1}^K
+            \big(\bar\theta^{(\cdot\cdot k)} - \bar\theta^{(\cdot\cdot\cdot)}\big)^2, \\
+        \tilde B_k &= \frac{1}{M-1}\sum_{m=1}^M
+            \big(\bar\theta^{(\cdot mk)} - \bar\theta^{(\cdot\cdot k)}\big)^2
+            \quad (0 \text{ when } M = 1), \\
+        \tilde W_k &= \frac{1}{M}\sum_{m=1}^M \frac{1}{N-1}\sum_{n=1}^N
+            \big(\theta^{(nmk)} - \bar\theta^{(\cdot mk)}\big)^2
+            \quad (0 \text{ when } N = 1), \\
+        \hat W_\nu &= \frac{1}{K}\sum_{k=1}^K \big(\tilde B_k + \tilde W_k\big), \qquad
+        \hat R_\nu = \sqrt{1 + \hat B_\nu / \hat W_\nu}.
+
+    The within-superchain variance counts both the spread of the chain means inside a superchain
+    and the within-chain variance, so with many short chains (even :math:`N = 1`) it still
+    estimates the posterior variance once the chains have forgotten their common start.  With
+    :math:`M = 1` (every chain its own superchain) :math:`\hat W_\nu` is the mean within-chain
+    variance and :math:`\hat R_\nu^2 = 1 + \hat B_\nu/\hat W_\nu`, the classic (non-split,
+    not rank-normalised) R-hat of Gelman & Rubin except for its :math:`-1/N` term: nested R-hat is
+    bounded below by 1 (footnote 3 of the paper).  No splitting and no rank normalisation are
+    applied, as in the paper.
+    """
+    arr = np.asarray(draws, dtype=float)
+    _integer("nested_rhat", "superchain_size", superchain_size, 1)
+    if arr.ndim < 2:
+        raise ValueError(f"draws must have shape [chain, draw, ...], got {arr.shape}")
+    c, n = arr.shape[:2]
+    m = superchain_size
+    if c % m or c // m < 2:
+        raise ValueError(
+            f"nested R-hat needs at least 2 superchains of superchain_size={m} chains; got {c} chain(s)"
+        )
+    k = c // m
+    x = arr.reshape(k, m, n, -1)
+    chain_mean = x.mean(2)  # [K, M, Q]
+    super_mean = chain_mean.mean(1)  # [K, Q]: equal chain lengths, so the mean of all M*N draws
+    b_nu = super_mean.var(0, ddof=1)
+    b_k = chain_mean.var(1, ddof=1) if m > 1 else np.zeros_like(super_mean)
+    w_k = x.var(2, ddof=1).mean(1) if n > 1 else np.zeros_like(super_mean)
+    w_nu = (b_k + w_k).mean(0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        r = np.sqrt(1.0 + b_nu / w_nu)
+    return r.reshape(arr.shape[2:])
+
+
+def ebfmi(energy: Any) -> np.ndarray:
+    r"""Energy Bayesian fraction of missing information of each chain (Betancourt 2016).
+
+    .. math::
+
+        \widehat{\text{E-BFMI}} = \frac{\sum_{n=2}^{N} (E_n - E_{n-1})^2}{\sum_{n=1}^{N} (E_n - \bar E)^2}
+
+    over the sampling iterations of one chain, :math:`E_n` the Hamiltonian of iteration
+    :math:`n`: how far one momentum resampling moves the energy, relative to the spread of its
+    marginal distribution (equal to ArviZ's ``az.bfmi``).  About 1 or more for a sampler that
+    explores the energy levels well; below 0.2-0.3 the momentum resampling moves slowly through
+    them (heavy tails, a badly adapted metric) and estimates may be biased.
+
+    Parameters
+    ----------
+    energy : array-like
+        ``[chain, iteration]`` (or ``[iteration]`` for one chain), sampling iterations only.
+
+    Returns
+    -------
+    numpy.ndarray
+        ``[chain]``; nan for a chain with fewer than two iterations or constant energy.
+    """
+    e = np.atleast_2d(np.asarray(energy, dtype=float))
+    if e.ndim != 2:
+        raise ValueError(f"energy must have shape [chain, iteration], got {np.shape(energy)}")
+    if e.shape[1] < 2:
+        return np.full(e.shape[0], np.nan)
+    num = np.square(np.diff(e, axis=1)).sum(1)
+    den = np.square(e - e.mean(1, keepdims=True)).sum(1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(den > 0, num / np.where(den > 0, den, 1.0), np.nan)
+
+
+# ----------------------------------------------------------------------------- certify
+
+
+def _function_values(posterior: Any, x: Any) -> np.ndarray:
+    """``[chain, draw, N, out]`` float64: network outputs, or class probabilities."""
+    model = posterior.model
+    xt = check_inputs(model, x, "x").to(model.device)
+    f = posterior.function_draws(xt)
+    if model.likelihood.task == "classification":
+        f = torch.softmax(f, dim=-1)  # logits are not identifiable (a shared shift changes nothing)
+    return f.double().cpu().numpy()
+
+
+def _points_failing(values: np.ndarray, ok: np.ndarray) -> int:
+    """Input points (first axis) where some output fails (``~ok``, NaN included)."""
+    return int((~ok).reshape(values.shape[0], -1).any(1).sum())
+
+
+def _check_rhat(rhat: np.ndarray, limit: float, label: str, n: int) -> list[str]:
+    ok = rhat <= limit
+    if ok.all():
+        return []
+    bad = _points_failing(rhat, ok)
+    finite = rhat[np.isfinite(rhat)]
+    nonfinite = _points_failing(rhat, np.isfinite(rhat))
+    if finite.size and finite.max() > limit:
+        text = f"{label} {_beyond(float(finite.max()), limit, True)} > {limit:g} at {bad} of {n} points"
+        return [text + (f" (not finite at {nonfinite})" if nonfinite else "")]
+    return [f"{label} not finite at {nonfinite} of {n} points"]
+
+
+def _check_ess(ess: np.ndarray, limit: float, label: str, n: int) -> list[str]:
+    ok = ess >= limit
+    if ok.all():
+        return []
+    bad = _points_failing(ess, ok)
+    finite = ess[np.isfinite(ess)]
+    nonfinite = _points_failing(ess, np.isfinite(ess))
+    if finite.size and finite.min() < limit:
+        text = f"{label} {_beyond(float(finite.min()), limit, False)} < {limit:g} at {bad} of {n} points"
+        return [text + (f" (not finite at {nonfinite})" if nonfinite else "")]
+    return [f"{label} not finite at {nonfinite} of {n} points"]
+
+
+def _chain_list(idx: np.ndarray) -> str:
+    shown = ", ".join(str(int(i)) for i in idx[:_MAX_LISTED])
+    more = f", … ({idx.size} chains)" if idx.size > _MAX_LISTED else ""
+    return f"chain {shown}" if idx.size == 1 else f"chains {shown}{more}"
+
+
+def certify(posterior: Any, x: Any, criteria: CertificationCriteria | None = None) -> Certification:
+    r"""Check an MCMC posterior against the reference-posterior criteria, in function space.
+
+    Parameters
+    ----------
+    posterior : MCMCPosterior
+        Anything with ``model``, ``function_draws(x) -> [chain, draw, N, out]`` and ``trace``
+        (a :class:`~pyrobdl.inference.mcmc.SamplerTrace` with ``num_warmup``, ``diverging``
+        ``[chain, iteration]`` and ``energy`` ``[chain, iteration]`` or None; or None).
+    x : array-like
+        Inputs ``[N, in_features]`` at which the function is diagnosed (``run_mcmc`` uses the
+        first ``diagnostic_points`` training inputs).
+    criteria : CertificationCriteria, optional
+        Default :class:`CertificationCriteria()` (posteriordb's thresholds, split R-hat).
+
+    Returns
+    -------
+    Certification
+        Never raises for a failed criterion: an unconverged, too short or untraced posterior
+        gets a failed certification saying why.
+
+    Notes
+    -----
+    * **Quantities**: :math:`f(x_n)_j` for every point and output (regression), or the class
+      probabilities :math:`\mathrm{softmax}(f(x_n))_j` (classification).
+    * **R-hat**: ``"split"`` is ArviZ's rank-normalised split R-hat.  With a single chain ArviZ
+      gives none, so the chain is cut into two halves first (ArviZ then splits each again: the
+      four quarters are compared).  ``"nested"`` is :func:`nested_rhat`; chains that do not form
+      at least two superchains of ``superchain_size`` fail the certification.
+    * **ESS**: ArviZ's bulk and tail ESS over all chains.
+    * **Divergences**: ``trace.diverging`` after the first ``trace.num_warmup`` iterations.
+    * **E-BFMI**: :func:`ebfmi` of ``trace.energy`` after warm-up, every chain (chains are
+      numbered from 0 in the failure text).
+    * Fewer than :data:`MIN_DRAWS` draws per chain: R-hat and ESS are not computed and the
+      certification fails.
+
+    Examples
+    --------
+    >>> cert = certify(nuts_posterior, x_train[:50])
+    >>> cert.passed, cert.failures
+    (False, ('function-space R-hat 1.39 > 1.01 at 48 of 50 points', 'bulk ESS 7 < 400 at 50 of 50 points'))
+    """
+    criteria = CertificationCriteria() if criteria is None else criteria
+    if not isinstance(criteria, CertificationCriteria):
+        raise TypeError(f"criteria must be a CertificationCriteria, got {type(criteria).__name__}")
+    f = _function_values(posterior, x)
+    c, d, n = f.shape[:3]
+    nan = float("nan")
+    failures: list[str] = []
+    rhat_max = ess_bulk_min = ess_tail_min = nan
+    label = "function-space nested R-hat" if criteria.rhat == "nested" else "function-space R-hat"
+    if d < MIN_DRAWS:
+        failures.append(f"{d} draw(s) per chain: at least {MIN_DRAWS} are needed to compute R-hat and ESS")
+    else:
+        conv = convergence(f)
+        rhat: np.ndarray | None
+        if criteria.rhat == "nested":
+            size = criteria.superchain_size
+            if c % size or c // size < 2:
+                rhat = None
+                failures.append(f"nested R-hat needs at least 2 superchains of {size} chains, got {c} chain(s)")
+            else:
+                rhat = nested_rhat(f, size)
+        elif c == 1:
+            half = d // 2
+            rhat = convergence(np.stack([f[0, :half], f[0, d - half:]]))["rhat"]
+        else:
+            rhat = conv["rhat"]
+        if rhat is not None:
+            rhat_max = float(np.max(rhat))
+            failures += _check_rhat(rhat, criteria.max_rhat, label, n)
+        ess_bulk_min, ess_tail_min = float(np.min(conv["ess_bulk"])), float(np.min(conv["ess_tail"]))
+        failures += _check_ess(conv["ess_bulk"], criteria.min_ess_bulk, "bulk ESS", n)
+        failures += _check_ess(conv["ess_tail"], criteria.min_ess_tail, "tail ESS", n)
+
+    trace = getattr(posterior, "trace", None)
+    divergences: int | None = None
+    ebfmi_min: float | None = None
+    if trace is None:
+        failures.append("no sampler trace: divergences and energy not recorded")
+    else:
+        w = int(trace.num_warmup)
+        divergences = int(np.asarray(trace.diverging)[:, w:].sum())
+        if divergences > criteria.max_divergences:
+            allowed = f" (at most {criteria.max_divergences} allowed)" if criteria.max_divergences else ""
+            failures.append(f"{divergences} divergence{'s' if divergences != 1 else ''} after warm-up{allowed}")
+        energy = getattr(trace, "energy", None)
+        if energy is None:
+            failures.append("energy not recorded: E-BFMI cannot be checked")
+        else:
+            values = ebfmi(np.asarray(energy, dtype=float)[:, w:])
+            ebfmi_min = float(np.min(values)) if values.size else nan
+            bad = np.flatnonzero(~(values >= criteria.min_ebfmi))
+            if bad.size:
+                finite = values[bad][np.isfinite(values[bad])]
+                if finite.size:
+                    shown = _beyond(float(finite.min()), criteria.min_ebfmi, False)
+                    failures.append(f"E-BFMI {shown} < {criteria.min_ebfmi:g} in {_chain_list(bad)}")
+                else:
+                    failures.append(f"E-BFMI not finite in {_chain_list(bad)}")
+    return Certification(
+        passed=not failures, failures=tuple(failures), rhat_method=criteria.rhat, rhat_max=rhat_max,
+        ess_bulk_min=ess_bulk_min, ess_tail_min=ess_tail_min, divergences=divergences, ebfmi_min=ebfmi_min,
+        num_points=n, num_chains=c, num_draws=d, criteria=criteria,
+    )
+
+
+def attach_certification(posterior: Any, x: Any, criteria: CertificationCriteria | None = None) -> Certification:
+    """Certify ``posterior`` at ``x``, store it on the posterior and in its diagnostics.
+
+    Sets ``posterior.certification`` and ``posterior.diagnostics["certification"]``
+    (:meth:`Certification.to_dict`); what every MCMC method calls at the end of its run, so that
+    :func:`pyrobdl.fit` can warn about an uncertified posterior and the suite records it.
+
+    Parameters
+    ----------
+    posterior : MCMCPosterior
+        See :func:`certify`.
+    x : array-like
+        Diagnostic inputs ``[N, in_features]``.
+    criteria : CertificationCriteria, optional
+        E.g. ``CertificationCriteria(rhat="nested", superchain_size=...)`` for many short chains.
+
+    Returns
+    -------
+    Certification
+    """
+    cert = certify(posterior, x, criteria)
+    posterior.certification = cert
+    posterior.diagnostics["certification"] = cert.to_dict()
+    return cert

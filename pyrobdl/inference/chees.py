@@ -1,0 +1,560 @@
+r"""Many-chain HMC with ChEES adaptation: every chain advanced in lock-step, one batched gradient.
+
+``fit(model, x, y, method="chees", num_chains=64, ...)`` runs K chains of jittered Hamiltonian
+Monte Carlo on the flat log joint of :mod:`pyrobdl.flat`.  Every chain shares the step size,
+the diagonal mass matrix and the number of leapfrog steps of an iteration, so each leapfrog
+step is *one* call of :meth:`~pyrobdl.flat.FlatLogJoint.value_and_grad` on a ``[K, P]``
+batch; the chains differ only in their state, momentum and accept/reject decision.  Sharing
+the tuning parameters is what makes the cross-chain adaptation of Hoffman, Radul & Sountsov
+(2021) possible:
+
+* **step size** by dual averaging (Hoffman & Gelman 2014) of the *harmonic mean* of the
+  chains' acceptance probabilities, target 0.651 (Beskos et al. 2013's optimum for HMC), as
+  TFP and BlackJAX do;
+* **trajectory length** T by stochastic gradient ascent of the ChEES criterion
+  (the Change in the Estimator of the Expected Square,
+  :math:`\tfrac14 E[(\lVert\theta'-E\theta'\rVert^2 - \lVert\theta-E\theta\rVert^2)^2]`), whose
+  per-chain gradient with respect to :math:`\log T` is
+  :math:`h\,T\,(\lVert\theta'-\bar\theta'\rVert^2-\lVert\theta-\bar\theta\rVert^2)\,
+  (\theta'-\bar\theta')^\top M^{-1}p'`, averaged over chains with their acceptance
+  probabilities as weights, fed to Adam (no momentum, :math:`\beta_2 = 0.95`), each update
+  clipped to :math:`\pm 0.35` in log space, and smoothed by a moving average;
+* **jitter**: iteration t uses :math:`\lceil h_t T/\epsilon\rceil` leapfrog steps, where
+  :math:`h_t \in (0, 1)` is the base-2 Halton (van der Corput) sequence — even coverage of
+  trajectory lengths with less variance than uniform draws (the paper's choice);
+* **diagonal mass matrix** from the variance across chains *and* iterations of Stan-style
+  warm-up windows (an initial fast buffer, doubling slow windows, a final fast buffer);
+* **divergences** per chain: a non-finite energy or an energy error above
+  ``divergence_threshold``.
+
+The result is the project's :class:`~pyrobdl.inference.mcmc.MCMCPosterior` with K chains, so
+every diagnostic, the ArviZ adapter, the suite and the report treat it like ``"nuts"``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from ..flat import FlatLogJoint
+from ..posterior import Cost, Posterior
+from .mcmc import MCMCPosterior, SamplerTrace
+from .registry import Method, register_method, require_proper_prior
+from .svi import _peak_memory
+
+__all__ = ["CHEES_OPTIONS", "INIT_STRATEGIES", "JITTERS", "halton", "run_chees"]
+
+#: Starting points of the chains.
+INIT_STRATEGIES = ("prior", "map")
+#: How each iteration's trajectory length is jittered.
+JITTERS = ("halton", "uniform", "none")
+
+CHEES_OPTIONS: dict[str, Any] = {
+    "num_chains": 64,
+    "num_warmup": 500,
+    "num_samples": 200,
+    "target_accept_prob": 0.651,
+    "step_size": None,
+    "init_trajectory_length": 1.0,
+    "trajectory_lr": 0.05,
+    "adapt_mass_matrix": True,
+    "max_num_steps": 1024,
+    "jitter": "halton",
+    "init_strategy": "prior",
+    "map_num_steps": 500,
+    "map_lr": 1e-2,
+    "divergence_threshold": 1000.0,
+    "chunk_size": None,
+    "diagnostic_points": 50,
+}
+
+# Dual averaging constants of Hoffman & Gelman (2014), as Stan, NumPyro and Pyro use them.
+_DA_GAMMA, _DA_T0, _DA_KAPPA = 0.05, 10.0, 0.75
+# Adam on log T as in TFP's GradientBasedTrajectoryLengthAdaptation: no momentum, beta2 0.95;
+# every update clipped in log space (TFP and BlackJAX: ~log(2)/2).
+_ADAM_BETA2, _ADAM_EPS, _LOG_T_CLIP = 0.95, 1e-8, 0.35
+# Weight of iteration t in the moving averages of log T: t ** -0.5 (BlackJAX's decay_rate).
+_MA_DECAY = 0.5
+
+
+def halton(index: int, base: int = 2) -> float:
+    """The ``index``-th element (``index >= 1``) of the van der Corput sequence in ``base``.
+
+    ``halton(1), halton(2), halton(3), ... = 1/2, 1/4, 3/4, 1/8, 5/8, ...`` for base 2: a
+    low-discrepancy sequence in (0, 1).
+    """
+    result, f, i = 0.0, 1.0 / base, index
+    while i > 0:
+        result += f * (i % base)
+        i //= base
+        f /= base
+    return result
+
+
+# ----------------------------------------------------------------------------------- options
+def _int(options: Mapping[str, Any], name: str, low: int) -> None:
+    v = options[name]
+    if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {v!r}")
+
+
+def _positive(options: Mapping[str, Any], name: str, allow_none: bool = False) -> None:
+    v = options[name]
+    if v is None and allow_none:
+        return
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise ValueError(f"{name} must be a finite number > 0{' or None' if allow_none else ''}, got {v!r}")
+
+
+def _check_options(model: Any, options: Mapping[str, Any]) -> None:
+    require_proper_prior(model, options)
+    _int(options, "num_chains", 2)
+    _int(options, "num_warmup", 0)
+    for name in ("num_samples", "max_num_steps", "map_num_steps", "diagnostic_points"):
+        _int(options, name, 1)
+    for name in ("init_trajectory_length", "trajectory_lr", "map_lr", "divergence_threshold"):
+        _positive(options, name)
+    _positive(options, "step_size", allow_none=True)
+    p = options["target_accept_prob"]
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p < 1:
+        raise ValueError(f"target_accept_prob must be in (0, 1), got {p!r}")
+    if not isinstance(options["adapt_mass_matrix"], bool):
+        raise TypeError(f"adapt_mass_matrix must be True or False, got {options['adapt_mass_matrix']!r}")
+    if options["jitter"] not in JITTERS:
+        raise ValueError(f"unknown jitter {options['jitter']!r}; valid: {list(JITTERS)}")
+    if options["init_strategy"] not in INIT_STRATEGIES:
+        raise ValueError(f"unknown init_strategy {options['init_strategy']!r}; valid: {list(INIT_STRATEGIES)}")
+    if options["chunk_size"] is not None:
+        _int(options, "chunk_size", 1)
+    # the flat log joint refuses what it does not implement, by name, before any work
+    from ..flat import _check_supported
+
+    _check_supported(model)
+
+
+# ------------------------------------------------------------------------------- adaptation
+def warmup_windows(num_warmup: int) -> list[int]:
+    """Iterations (0-based, exclusive ends) at which the mass matrix is re-estimated.
+
+    Stan's schedule: an initial fast buffer of 75 iterations, slow windows of 25, 50, 100, ...
+    iterations, and a terminal fast buffer of 50 (the last slow window absorbs the remainder);
+    for fewer than 150 warm-up iterations the buffers are 15% / 75% / 10% of them, as in Stan.
+    Returns the end of every slow window.
+    """
+    if num_warmup < 20:
+        return []
+    if num_warmup < 150:
+        init, term = int(0.15 * num_warmup), int(0.1 * num_warmup)
+        base = num_warmup - init - term
+    else:
+        init, term, base = 75, 50, 25
+    ends, start, size = [], init, base
+    last = num_warmup - term
+    while start < last:
+        end = start + size
+        if end + 2 * size > last:  # the next window would not fit: absorb the remainder
+            end = last
+        ends.append(end)
+        start, size = end, 2 * size
+    return ends
+
+
+@dataclass
+class _DualAveraging:
+    """Nesterov dual averaging of log step size (Hoffman & Gelman 2014, Algorithm 5)."""
+
+    mu: float
+    log_step: float
+    t: int = 0
+    h_bar: float = 0.0
+    log_step_bar: float = 0.0
+
+    @classmethod
+    def start(cls, step_size: float) -> "_DualAveraging":
+        return cls(mu=math.log(10.0 * step_size), log_step=math.log(step_size), log_step_bar=math.log(step_size))
+
+    def update(self, accept: float, target: float) -> float:
+        self.t += 1
+        eta = 1.0 / (self.t + _DA_T0)
+        self.h_bar = (1.0 - eta) * self.h_bar + eta * (target - accept)
+        self.log_step = self.mu - math.sqrt(self.t) / _DA_GAMMA * self.h_bar
+        w = self.t ** -_DA_KAPPA
+        self.log_step_bar = w * self.log_step + (1.0 - w) * self.log_step_bar
+        return math.exp(self.log_step)
+
+
+@dataclass
+class _TrajectoryAdam:
+    """Adam (no momentum) ascent of the ChEES criterion in log T, with a moving average."""
+
+    log_t: float
+    lr: float
+    v: float = 0.0
+    t: int = 0
+    log_t_avg: float = 0.0
+
+    def update(self, gradient: float) -> None:
+        self.t += 1
+        self.v = _ADAM_BETA2 * self.v + (1.0 - _ADAM_BETA2) * gradient * gradient
+        v_hat = self.v / (1.0 - _ADAM_BETA2**self.t)
+        step = self.lr * gradient / (math.sqrt(v_hat) + _ADAM_EPS)
+        self.log_t += max(-_LOG_T_CLIP, min(_LOG_T_CLIP, step))
+        w = self.t ** -_MA_DECAY
+        self.log_t_avg = (1.0 - w) * self.log_t_avg + w * self.log_t
+
+
+def chees_gradient(theta0: torch.Tensor, proposal: torch.Tensor, momentum: torch.Tensor, inv_mass: torch.Tensor,
+                   weights: torch.Tensor, jitter: float, trajectory_length: float) -> float:
+    r"""Normalised gradient of the ChEES criterion with respect to :math:`\log T`.
+
+    Computed in the coordinates the mass matrix whitens, :math:`z = \theta / \sqrt{M^{-1}}`,
+    where the dynamics have unit mass: per chain
+    :math:`g_k = h\,T\,(\lVert z'_k-\bar z'\rVert^2 - \lVert z_k-\bar z\rVert^2)\,
+    (z'_k-\bar z')^\top \dot z'_k` with velocity :math:`\dot z' = \sqrt{M^{-1}}\,p'`, averaged
+    with the acceptance probabilities as weights, then divided by
+    :math:`(\overline{\lVert z-\bar z\rVert^2})^2`.  That last factor makes the gradient
+    invariant to the overall scale of the posterior: raw, it shrinks by orders of magnitude as
+    the chains contract from their prior draws, and Adam's second-moment estimate, still
+    remembering the early values, then freezes :math:`\log T` (measured: T moved by 0.001 in
+    300 warm-up iterations on Bayesian linear regression).  The sign, which is what Adam mostly
+    uses, is unchanged.
+
+    Parameters
+    ----------
+    theta0 : torch.Tensor
+        States at the start of the iteration, ``[K, P]``.
+    proposal : torch.Tensor
+        End points of the trajectories (before accept/reject), ``[K, P]``.
+    momentum : torch.Tensor
+        Momenta at the end points, ``[K, P]``.
+    inv_mass : torch.Tensor
+        Diagonal inverse mass matrix, ``[P]``.
+    weights : torch.Tensor
+        Acceptance probabilities, 0 for divergent or non-finite chains, ``[K]``.
+    jitter, trajectory_length : float
+        This iteration's jitter :math:`h` and the (unjittered) T.
+
+    Returns
+    -------
+    float
+        The normalised, acceptance-weighted gradient (0 when every weight is 0).
+    """
+    ok = (weights > 0) & torch.isfinite(proposal).all(-1) & torch.isfinite(momentum).all(-1)
+    if not bool(ok.any()):
+        return 0.0
+    root = inv_mass.sqrt()
+    w = torch.where(ok, weights, torch.zeros_like(weights))
+    zero = torch.zeros_like(proposal)
+    z1 = torch.where(ok.unsqueeze(-1), proposal / root, zero)
+    vel = torch.where(ok.unsqueeze(-1), momentum * root, zero)
+    c1 = z1 - (w.unsqueeze(-1) * z1).sum(0) / w.sum()
+    z0 = theta0 / root
+    c0 = z0 - z0.mean(0)
+    sq0 = (c0 * c0).sum(-1)
+    per_chain = jitter * trajectory_length * ((c1 * c1).sum(-1) - sq0) * (c1 * vel).sum(-1)
+    scale = float(sq0.mean()) ** 2
+    if not scale > 0:
+        return 0.0
+    return float((w * per_chain).sum() / w.sum()) / scale
+
+
+# ----------------------------------------------------------------------------------- sampler
+class _Sampler:
+    """The state of K lock-step chains and one jittered-HMC transition of all of them."""
+
+    def __init__(self, lj: FlatLogJoint, theta: torch.Tensor, generator: torch.Generator, threshold: float) -> None:
+        self.lj, self.gen, self.threshold = lj, generator, threshold
+        self.theta = theta
+        self.logp, self.grad = lj.value_and_grad(theta)
+        self.inv_mass = torch.ones(lj.size, dtype=theta.dtype, device=theta.device)
+        self.gradients = theta.shape[0]  # chain-gradients evaluated so far
+
+    def momentum(self) -> torch.Tensor:
+        z = torch.randn(self.theta.shape, dtype=self.theta.dtype, device=self.theta.device, generator=self.gen)
+        return z * self.inv_mass.rsqrt()
+
+    def kinetic(self, p: torch.Tensor) -> torch.Tensor:
+        return 0.5 * (p * p * self.inv_mass).sum(-1)
+
+    def leapfrog(self, theta: torch.Tensor, p: torch.Tensor, grad: torch.Tensor, step: float, n: int):
+        theta, p = theta.clone(), p + (0.5 * step) * grad
+        scaled = step * self.inv_mass
+        logp = grad = None
+        for i in range(n):
+            theta.addcmul_(scaled, p)
+            logp, grad = self.lj.value_and_grad(theta)
+            p.add_(grad, alpha=step if i < n - 1 else 0.5 * step)
+        self.gradients += n * theta.shape[0]
+        return theta, p, logp, grad
+
+    def transition(self, step: float, n: int):
+        """One HMC iteration for every chain; returns the statistics of the iteration."""
+        p0 = self.momentum()
+        energy = -self.logp + self.kinetic(p0)
+        theta1, p1, logp1, grad1 = self.leapfrog(self.theta, p0, self.grad, step, n)
+        energy1 = -logp1 + self.kinetic(p1)
+        delta = energy1 - energy
+        finite = torch.isfinite(delta) & torch.isfinite(theta1).all(-1) & torch.isfinite(grad1).all(-1)
+        diverging = ~finite | (delta > self.threshold)
+        accept_prob = torch.where(finite, torch.exp(torch.clamp(-delta, max=0.0)), torch.zeros_like(delta))
+        u = torch.rand(accept_prob.shape, dtype=accept_prob.dtype, device=accept_prob.device, generator=self.gen)
+        accept = (u < accept_prob) & finite
+        theta0 = self.theta
+        self.theta = torch.where(accept.unsqueeze(-1), theta1, self.theta)
+        self.logp = torch.where(accept, logp1, self.logp)
+        self.grad = torch.where(accept.unsqueeze(-1), grad1, self.grad)
+        return theta0, theta1, p1, accept_prob, diverging, energy
+
+    def find_step_size(self, step: float, target: float = 0.5, max_tries: int = 40) -> float:
+        """Double or halve ``step`` until one leapfrog step's harmonic-mean acceptance crosses
+        ``target`` (the heuristic of Hoffman & Gelman 2014, Algorithm 4, across chains)."""
+        def accept_at(eps: float) -> float:
+            p0 = self.momentum()
+            h0 = -self.logp + self.kinetic(p0)
+            _, p1, logp1, _ = self.leapfrog(self.theta, p0, self.grad, eps, 1)
+            delta = -logp1 + self.kinetic(p1) - h0
+            prob = torch.where(torch.isfinite(delta), torch.exp(torch.clamp(-delta, max=0.0)), torch.zeros_like(delta))
+            return _harmonic_mean(prob)
+
+        direction = 1.0 if accept_at(step) > target else -1.0
+        for _ in range(max_tries):
+            nxt = step * (2.0**direction)
+            a = accept_at(nxt)
+            if (direction > 0 and a < target) or (direction < 0 and a > target):
+                return step if direction > 0 else nxt
+            step = nxt
+        return step
+
+
+def _harmonic_mean(prob: torch.Tensor) -> float:
+    """Harmonic mean of acceptance probabilities (0 if any is 0)."""
+    if bool((prob <= 0).any()):
+        return 0.0
+    return float(1.0 / (1.0 / prob).mean())
+
+
+def _map_init(lj: FlatLogJoint, theta: torch.Tensor, num_steps: int, lr: float) -> torch.Tensor:
+    """K MAP estimates at once: Adam on the batched minus log joint from ``theta``."""
+    theta = theta.clone()
+    m = torch.zeros_like(theta)
+    v = torch.zeros_like(theta)
+    b1, b2 = 0.9, 0.999
+    for t in range(1, num_steps + 1):
+        _, g = lj.value_and_grad(theta)
+        g = torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0)
+        m.mul_(b1).add_(g, alpha=1 - b1)
+        v.mul_(b2).addcmul_(g, g, value=1 - b2)
+        theta.addcdiv_(m / (1 - b1**t), (v / (1 - b2**t)).sqrt_().add_(1e-8), value=lr)  # ascent
+    return theta
+
+
+def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str, Any], progress: bool) -> Posterior:
+    """Run ``num_chains`` lock-step chains of jittered HMC with ChEES adaptation (``fit``'s ``run``).
+
+    Parameters
+    ----------
+    model : pyrobdl.BayesianMLP
+        The model, on the data's device.
+    x, y : torch.Tensor
+        Validated training data.
+    options : Mapping
+        Every option of :data:`CHEES_OPTIONS`, plus ``seed``.
+    progress : bool
+        Show a progress bar over iterations.
+
+    Returns
+    -------
+    MCMCPosterior
+        K chains of ``num_samples`` draws, a :class:`SamplerTrace`, diagnostics (adapted step
+        size, trajectory length and mass matrix summary, divergences, steps-cap hits, E-BFMI,
+        function-space convergence) and the certification at the first ``diagnostic_points``
+        training inputs.
+    """
+    device = x.device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    start, cpu_start = time.perf_counter(), time.process_time()
+    k, warm, draws = options["num_chains"], options["num_warmup"], options["num_samples"]
+    gen = torch.Generator(device=device)
+    gen.manual_seed(int(options["seed"]))
+    lj = FlatLogJoint(model, x, y, chunk_size=options["chunk_size"])
+    theta = lj.sample_prior(k, generator=gen)
+    map_grads = 0
+    if options["init_strategy"] == "map":
+        theta = _map_init(lj, theta, options["map_num_steps"], options["map_lr"])
+        map_grads = k * options["map_num_steps"]
+    sampler = _Sampler(lj, theta, gen, float(options["divergence_threshold"]))
+    target, cap = float(options["target_accept_prob"]), int(options["max_num_steps"])
+    step = options["step_size"]
+    search_grads = 0
+    if step is None:
+        before = sampler.gradients
+        step = sampler.find_step_size(0.1)
+        search_grads += sampler.gradients - before
+    step = float(step)
+    da = _DualAveraging.start(step)
+    traj = _TrajectoryAdam(log_t=math.log(options["init_trajectory_length"]), lr=float(options["trajectory_lr"]))
+    traj.log_t_avg = traj.log_t
+    windows = set(warmup_windows(warm)) if options["adapt_mass_matrix"] else set()
+    window_start = _window_start(warm) if windows else 0
+    acc_sum = acc_sq = None
+    acc_n = 0
+
+    total = warm + draws
+    # per-iteration statistics stay on the device until the end (no host round trip per iteration
+    # in the sampling phase; warm-up needs one scalar sync per iteration for the adaptation)
+    rows = {name: torch.zeros(total, k, dtype=torch.float64, device=device)
+            for name in ("accept_prob", "energy", "log_joint")}
+    diverging_rows = torch.zeros(total, k, dtype=torch.bool, device=device)
+    step_row = np.zeros(total)
+    length_row = np.zeros(total)  # the unjittered trajectory length T of each iteration
+    num_steps_row = np.zeros(total, dtype=np.int64)
+    cap_hits = np.zeros(total, dtype=bool)
+    samples = torch.empty(draws, k, lj.size, dtype=x.dtype, device=device)
+    halton_index = 0
+    rng = np.random.default_rng(int(options["seed"]))
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total, desc="chees", leave=False)
+    trajectory_length = math.exp(traj.log_t)
+    for it in range(total):
+        halton_index += 1
+        h = {"halton": lambda: halton(halton_index), "uniform": lambda: float(rng.uniform()),
+             "none": lambda: 1.0}[options["jitter"]]()
+        wanted = math.ceil(h * trajectory_length / step)
+        n = max(1, min(cap, wanted))
+        cap_hits[it] = wanted > cap
+        theta0, proposal, p1, accept_prob, diverging, energy = sampler.transition(step, n)
+        step_row[it], num_steps_row[it], length_row[it] = step, n, trajectory_length
+        rows["accept_prob"][it] = accept_prob
+        rows["energy"][it] = energy
+        rows["log_joint"][it] = sampler.logp
+        diverging_rows[it] = diverging
+        if it < warm:
+            weights = torch.where(diverging, torch.zeros_like(accept_prob), accept_prob)
+            hm = _harmonic_mean(accept_prob[~diverging]) if bool((~diverging).any()) else 0.0
+            step = da.update(hm, target)
+            g = chees_gradient(theta0, proposal, p1, sampler.inv_mass, weights, h, trajectory_length)
+            if math.isfinite(g):
+                traj.update(g)
+            trajectory_length = min(max(math.exp(traj.log_t_avg), step), cap * step)
+            if windows and it >= window_start:
+                t64 = sampler.theta.double()
+                acc_sum = t64.sum(0) if acc_sum is None else acc_sum + t64.sum(0)
+                acc_sq = (t64 * t64).sum(0) if acc_sq is None else acc_sq + (t64 * t64).sum(0)
+                acc_n += k
+            if (it + 1) in windows:
+                mean = acc_sum / acc_n
+                var = (acc_sq / acc_n - mean * mean).clamp_min(0.0) * acc_n / max(acc_n - 1, 1)
+                # Stan's regularisation towards 1e-3 (negligible with K chains x a window)
+                var = (acc_n / (acc_n + 5.0)) * var + 1e-3 * (5.0 / (acc_n + 5.0))
+                sampler.inv_mass = var.to(x.dtype)
+                acc_sum = acc_sq = None
+                acc_n = 0
+                window_start = it + 1
+                before = sampler.gradients
+                step = sampler.find_step_size(step)
+                search_grads += sampler.gradients - before
+                da = _DualAveraging.start(step)
+                trajectory_length = min(max(math.exp(traj.log_t_avg), step), cap * step)
+            if it == warm - 1:
+                step = math.exp(da.log_step_bar)
+                trajectory_length = min(max(math.exp(traj.log_t_avg), step), cap * step)
+        else:
+            samples[it - warm] = sampler.theta
+        if bar is not None:
+            bar.update(1)
+            if it % 10 == 0:
+                bar.set_postfix(step=f"{step:.3g}", T=f"{trajectory_length:.3g}", steps=n)
+    if bar is not None:
+        bar.close()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    stats = {name: v.t().cpu().numpy() for name, v in rows.items()}
+    diverging_row = diverging_rows.t().cpu().numpy()
+
+    site_draws = {name: v.transpose(0, 1).contiguous() for name, v in lj.layout.unpack(samples).items()}
+    trace = SamplerTrace(
+        num_warmup=warm, num_steps=np.tile(num_steps_row, (k, 1)), step_size=np.tile(step_row, (k, 1)),
+        accept_prob=stats["accept_prob"], diverging=diverging_row, tree_depth=None, log_joint=stats["log_joint"],
+        energy=stats["energy"],
+    )
+    gradients = sampler.gradients + map_grads
+    cost = Cost(wall_time_s=wall, gradient_evaluations=int(gradients), epochs=float(gradients),
+                peak_memory_bytes=_peak_memory(device), device=str(device), cpu_time_s=cpu)
+    posterior = MCMCPosterior(model, site_draws, trace, method="chees", settings=dict(options), cost=cost)
+    leapfrog = num_steps_row
+    diagnostics: dict[str, Any] = {
+        "num_chains": k,
+        "num_warmup": warm,
+        "num_samples": draws,
+        "step_size": float(step),
+        "trajectory_length": float(trajectory_length),
+        "mean_num_steps_sampling": float(leapfrog[warm:].mean()) if draws else 0.0,
+        "inverse_mass_matrix": {"min": float(sampler.inv_mass.min()), "median": float(sampler.inv_mass.median()),
+                                "max": float(sampler.inv_mass.max())},
+        "divergences": [int(d) for d in diverging_row[:, warm:].sum(1)],
+        "divergences_warmup": int(diverging_row[:, :warm].sum()),
+        "accept_prob": [float(a) for a in stats["accept_prob"][:, warm:].mean(1)],
+        "num_steps_cap_hits_warmup": int(cap_hits[:warm].sum()),
+        "num_steps_cap_hits_sampling": int(cap_hits[warm:].sum()),
+        "leapfrog_steps_warmup": int(leapfrog[:warm].sum()),
+        "leapfrog_steps_sampling": int(leapfrog[warm:].sum()),
+        "chain_gradients": int(gradients),
+        "step_size_search_chain_gradients": int(search_grads),
+        "map_chain_gradients": int(map_grads),
+        "cpu_time_s": cpu,
+        "ebfmi": [float(e) for e in _ebfmi(stats["energy"][:, warm:])],
+    }
+    if cap_hits[warm:].any():
+        warnings.warn(
+            f"chees: the trajectory needed more than max_num_steps={cap} leapfrog steps in "
+            f"{int(cap_hits[warm:].sum())} of {draws} sampling iterations, so those trajectories were "
+            "shortened; raise max_num_steps or check the adapted step size", UserWarning, stacklevel=3)
+    posterior.diagnostics = diagnostics
+    posterior.adaptation = {"step_size": step_row, "trajectory_length": length_row, "num_steps": num_steps_row}
+    diagnostics.update(posterior.convergence_summary(x[: options["diagnostic_points"]]))
+    _certify(posterior, x[: options["diagnostic_points"]])
+    return posterior
+
+
+def _window_start(num_warmup: int) -> int:
+    """First iteration of the first slow window."""
+    if num_warmup < 150:
+        return int(0.15 * num_warmup)
+    return 75
+
+
+def _ebfmi(energy: np.ndarray) -> np.ndarray:
+    r"""E-BFMI per chain: :math:`\sum_t (E_t - E_{t-1})^2 / \sum_t (E_t - \bar E)^2` (Betancourt 2016)."""
+    if energy.shape[1] < 2:
+        return np.full(energy.shape[0], np.nan)
+    num = np.square(np.diff(energy, axis=1)).sum(1)
+    den = np.square(energy - energy.mean(1, keepdims=True)).sum(1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return num / den
+
+
+def _certify(posterior: MCMCPosterior, x_points: torch.Tensor) -> None:
+    """Attach the certification (the diagnostics module's criteria), when available."""
+    try:
+        from ..diagnostics.certification import attach_certification
+    except ImportError:  # pragma: no cover - the certification module ships with pyrobdl
+        return
+    attach_certification(posterior, x_points)
+
+
+register_method(Method(
+    "chees", CHEES_OPTIONS, run_chees,
+    "Many-chain HMC in lock-step with ChEES adaptation (Hoffman, Radul & Sountsov 2021); certified references",
+    check_model=_check_options,
+))

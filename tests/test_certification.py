@@ -1,0 +1,358 @@
+"""Certification of MCMC posteriors as references: criteria, nested R-hat, E-BFMI, ``certify``,
+and where a certification travels (``fit``'s warning, reference files, ``evaluate``)."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import pyrobdl
+from pyrobdl.compare.artifacts import StoredPosterior
+from pyrobdl.compare.store import jsonable
+from pyrobdl.diagnostics import Certification, CertificationCriteria, certify, evaluate
+from pyrobdl.diagnostics.arviz_adapter import bfmi
+from pyrobdl.diagnostics.certification import attach_certification, ebfmi, nested_rhat
+from pyrobdl.inference import MCMCPosterior, SamplerTrace, load_reference, run_reference
+from pyrobdl.posterior import Cost
+
+COST = Cost(0.0, 0, 0.0, 0, "cpu")
+WARMUP = 20
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def blr_model() -> pyrobdl.BayesianMLP:
+    return pyrobdl.BayesianMLP(3, (), 1, prior=pyrobdl.priors.Gaussian(1.0),
+                               likelihood=pyrobdl.likelihoods.Gaussian(10.0))
+
+
+def trace(chains: int, draws: int, *, seed: int = 0, energy: bool = True) -> SamplerTrace:
+    """A sampler trace with no divergence and iid energies (E-BFMI about 2)."""
+    rng = np.random.default_rng(seed)
+    shape = (chains, WARMUP + draws)
+    return SamplerTrace(
+        WARMUP, np.full(shape, 3, dtype=np.int64), np.full(shape, 0.1), np.full(shape, 0.8),
+        np.zeros(shape, dtype=bool), None, rng.normal(size=shape),
+        energy=rng.normal(size=shape) if energy else None,
+    )
+
+
+def iid_posterior(chains: int = 4, draws: int = 500, *, seed: int = 0, shift: float = 0.0,
+                  model: pyrobdl.BayesianMLP | None = None) -> MCMCPosterior:
+    """Independent Gaussian draws of every site (so: perfectly mixed chains); chain ``c`` is
+    shifted by ``c * shift`` in every weight and bias."""
+    model = model or blr_model()
+    gen = torch.Generator().manual_seed(seed)
+    offset = shift * torch.arange(chains, dtype=torch.float32)
+    samples = {}
+    for s in model.sites:
+        v = torch.randn(chains, draws, *s.shape, generator=gen)
+        samples[s.name] = v + offset.reshape(chains, 1, *[1] * len(s.shape))
+    return MCMCPosterior(model, samples, trace(chains, draws, seed=seed), method="test", settings={}, cost=COST)
+
+
+def points(n: int = 50, features: int = 3) -> torch.Tensor:
+    return torch.randn(n, features, generator=torch.Generator().manual_seed(7))
+
+
+# ----------------------------------------------------------------------------- criteria
+
+
+def test_default_criteria_are_posteriordbs():
+    c = CertificationCriteria()
+    assert (c.max_rhat, c.min_ess_bulk, c.min_ess_tail, c.max_divergences, c.min_ebfmi, c.rhat) == (
+        1.01, 400, 400, 0, 0.2, "split")
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"max_rhat": 1.0}, "max_rhat"),
+        ({"max_rhat": float("nan")}, "max_rhat"),
+        ({"min_ess_bulk": -1}, "min_ess_bulk"),
+        ({"min_ess_tail": "400"}, "min_ess_tail"),
+        ({"max_divergences": -1}, "max_divergences"),
+        ({"max_divergences": 0.5}, "max_divergences"),
+        ({"min_ebfmi": float("inf")}, "min_ebfmi"),
+        ({"rhat": "folded"}, "rhat"),
+        ({"superchain_size": 0}, "superchain_size"),
+        ({"superchain_size": True}, "superchain_size"),
+    ],
+)
+def test_invalid_criteria_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=rf"CertificationCriteria\.{field}\b"):
+        CertificationCriteria(**kwargs)
+
+
+def test_criteria_round_trip_and_unknown_keys():
+    c = CertificationCriteria(max_rhat=1.05, rhat="nested", superchain_size=8)
+    assert CertificationCriteria.from_dict(c.to_dict()) == c
+    with pytest.raises(ValueError, match="max_rhatt"):
+        CertificationCriteria.from_dict({"max_rhatt": 1.1})
+
+
+# ----------------------------------------------------------------------------- nested R-hat
+
+
+def test_nested_rhat_by_hand():
+    # 2 superchains of 2 chains of 3 draws
+    x = np.array([[1, 2, 3], [2, 3, 4], [5, 6, 7], [4, 6, 8]], dtype=float)[..., None]
+    # chain means 2, 3, 6, 6; superchain means 2.5, 6; B_nu = var([2.5, 6], ddof=1) = 6.125
+    # B~_k = var([2, 3]) = 0.5, var([6, 6]) = 0; W~_k = mean(1, 1) = 1, mean(1, 4) = 2.5
+    # W_nu = ((0.5 + 1) + (0 + 2.5)) / 2 = 2; R_nu = sqrt(1 + 6.125 / 2)
+    assert nested_rhat(x, 2) == pytest.approx([math.sqrt(1 + 6.125 / 2)])
+
+
+def test_nested_rhat_with_one_chain_per_superchain_is_classic_rhat_without_its_one_over_n():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(4, 10)) + np.arange(4)[:, None] * 0.3
+    n = x.shape[1]
+    w = x.var(1, ddof=1).mean()
+    b = n * x.mean(1).var(ddof=1)
+    classic = math.sqrt(((n - 1) / n * w + b / n) / w)  # Gelman-Rubin R-hat, no split
+    assert nested_rhat(x, 1) ** 2 == pytest.approx(classic**2 + 1 / n)
+
+
+def test_nested_rhat_of_iid_draws_is_near_one_and_of_separated_superchains_is_large():
+    rng = np.random.default_rng(1)
+    iid = rng.normal(size=(32, 100, 5))
+    r = nested_rhat(iid, 4)
+    assert r.shape == (5,)
+    assert np.all(r < 1.01) and np.all(r >= 1.0)
+    apart = iid + np.repeat(np.arange(8), 4)[:, None, None]  # each superchain its own mean
+    assert np.all(nested_rhat(apart, 4) > 2)
+    # short chains (even one draw each) still work once grouped
+    assert nested_rhat(rng.normal(size=(400, 1)), 20) < 1.05
+
+
+def test_nested_rhat_needs_two_full_superchains():
+    with pytest.raises(ValueError, match="2 superchains"):
+        nested_rhat(np.zeros((6, 10)), 4)
+    with pytest.raises(ValueError, match="2 superchains"):
+        nested_rhat(np.zeros((4, 10)), 4)
+
+
+# ----------------------------------------------------------------------------- E-BFMI
+
+
+def test_ebfmi_equals_arviz_bfmi():
+    rng = np.random.default_rng(2)
+    e = np.zeros((3, 300))
+    for t in range(1, 300):  # AR(1) energies of different persistence per chain
+        e[:, t] = np.array([0.0, 0.7, 0.97]) * e[:, t - 1] + rng.normal(size=3)
+    ours = ebfmi(e)
+    assert ours == pytest.approx(bfmi(e), rel=1e-12)
+    # sum of squared successive differences over the sum of squared deviations
+    assert ours[1] == pytest.approx(np.sum(np.diff(e[1]) ** 2) / np.sum((e[1] - e[1].mean()) ** 2))
+    assert ours[0] == pytest.approx(2, abs=0.3) and ours[2] < 0.2  # iid ~2; a slow walk is small
+    assert np.isnan(ebfmi(np.ones((2, 5)))).all() and np.isnan(ebfmi(np.zeros((1, 1)))).all()
+
+
+# ----------------------------------------------------------------------------- certify
+
+
+def test_iid_draws_of_a_blr_sized_model_are_certified():
+    post = iid_posterior()
+    cert = certify(post, points())
+    assert cert.passed and cert.failures == (), cert.failures
+    assert (cert.num_points, cert.num_chains, cert.num_draws, cert.rhat_method) == (50, 4, 500, "split")
+    assert 1.0 <= cert.rhat_max < 1.01 and cert.ess_bulk_min > 400 and cert.ess_tail_min > 400
+    assert cert.divergences == 0 and cert.ebfmi_min > 1
+    assert str(cert).startswith("certified (function-space R-hat")
+
+
+def test_chains_with_shifted_means_fail_on_rhat():
+    cert = certify(iid_posterior(shift=0.5), points())
+    assert not cert.passed
+    rhat = [f for f in cert.failures if "R-hat" in f]
+    assert len(rhat) == 1
+    assert re.fullmatch(r"function-space R-hat \d+\.\d+ > 1\.01 at \d+ of 50 points", rhat[0]), rhat
+    assert cert.rhat_max > 1.1
+    assert str(cert).startswith("not certified: function-space R-hat")
+
+
+def test_a_divergence_after_warmup_fails_one_during_warmup_does_not():
+    post = iid_posterior()
+    div = post.trace.diverging.copy()
+    div[0, 3] = True  # warm-up
+    post.trace = SamplerTrace(**{**vars(post.trace), "diverging": div})
+    assert certify(post, points()).passed
+    div[2, WARMUP + 10] = True
+    post.trace = SamplerTrace(**{**vars(post.trace), "diverging": div})
+    cert = certify(post, points())
+    assert cert.failures == ("1 divergence after warm-up",) and cert.divergences == 1
+    lenient = certify(post, points(), CertificationCriteria(max_divergences=1))
+    assert lenient.passed
+
+
+def test_energy_missing_or_low_ebfmi_fails():
+    post = iid_posterior()
+    post.trace = SamplerTrace(**{**vars(post.trace), "energy": None})
+    cert = certify(post, points())
+    assert cert.failures == ("energy not recorded: E-BFMI cannot be checked",) and cert.ebfmi_min is None
+    energy = np.random.default_rng(3).normal(size=post.trace.log_joint.shape)
+    energy[2] = np.cumsum(energy[2])  # a random walk: E-BFMI near 0
+    post.trace = SamplerTrace(**{**vars(post.trace), "energy": energy})
+    cert = certify(post, points())
+    assert len(cert.failures) == 1
+    assert re.fullmatch(r"E-BFMI 0\.\d+ < 0\.2 in chain 2", cert.failures[0]), cert.failures
+    assert cert.ebfmi_min < 0.2
+
+
+def test_no_trace_and_too_few_draws_fail_without_crashing():
+    post = iid_posterior(draws=3)
+    cert = certify(post, points())
+    assert not cert.passed and cert.num_draws == 3
+    assert any("3 draw(s) per chain" in f for f in cert.failures)
+    assert math.isnan(cert.rhat_max) and math.isnan(cert.ess_bulk_min)
+    post.trace = None
+    cert = certify(post, points())
+    assert "no sampler trace: divergences and energy not recorded" in cert.failures
+    assert cert.divergences is None and cert.ebfmi_min is None
+
+
+def test_one_chain_gets_a_split_rhat():
+    cert = certify(iid_posterior(chains=1, draws=2000), points())
+    assert cert.passed, cert.failures
+    assert math.isfinite(cert.rhat_max) and cert.num_chains == 1
+
+
+def test_nested_rhat_criteria():
+    post = iid_posterior(chains=32, draws=100)
+    nested = CertificationCriteria(rhat="nested", superchain_size=4)
+    cert = certify(post, points(), nested)
+    assert cert.passed and cert.rhat_method == "nested", cert.failures
+    bad = certify(iid_posterior(chains=6, draws=100), points(), nested)
+    assert "nested R-hat needs at least 2 superchains of 4 chains, got 6 chain(s)" in bad.failures
+    apart = certify(iid_posterior(chains=32, draws=100, shift=0.2), points(), nested)
+    assert any(f.startswith("function-space nested R-hat") for f in apart.failures)
+
+
+def test_classification_is_certified_on_probabilities_not_logits():
+    """A chain-dependent shift shared by every logit changes no probability: still certified."""
+    model = pyrobdl.BayesianMLP(2, (), 3, prior=pyrobdl.priors.Gaussian(1.0),
+                                likelihood=pyrobdl.likelihoods.Categorical())
+    post = iid_posterior(model=model)
+    bias = next(s.name for s in model.sites if s.kind == "bias")
+    post.samples[bias] = post.samples[bias] + 5.0 * torch.arange(4.0).reshape(4, 1, 1)
+    cert = certify(post, points(features=2))
+    assert cert.passed, cert.failures
+
+
+def test_certify_checks_its_arguments():
+    post = iid_posterior(draws=10)
+    with pytest.raises(TypeError, match="CertificationCriteria"):
+        certify(post, points(), {"max_rhat": 1.1})
+    with pytest.raises(ValueError, match="features"):
+        certify(post, points(features=2))
+
+
+def test_certification_round_trips_through_json():
+    cert = certify(iid_posterior(shift=0.5), points())
+    assert Certification.from_dict(json.loads(json.dumps(cert.to_dict()))) == cert
+    # strict JSON (the suite's records) stores nan as null; it reads back as nan
+    short = certify(iid_posterior(draws=3), points())
+    back = Certification.from_dict(json.loads(json.dumps(jsonable(short.to_dict()), allow_nan=False)))
+    assert back.failures == short.failures and math.isnan(back.rhat_max)
+    missing = Certification.missing()
+    assert not missing.passed and missing.failures == ("no certification recorded",)
+    with pytest.raises(ValueError, match="contradicts"):
+        Certification(True, ("x",), "split", 1.0, 1.0, 1.0, 0, 1.0, 1, 1, 1)
+    with pytest.raises(ValueError, match="missing"):
+        Certification.from_dict({"passed": True})
+
+
+def test_attach_certification_sets_attribute_and_diagnostics():
+    post = iid_posterior()
+    assert post.certification is None  # until computed
+    cert = attach_certification(post, points())
+    assert post.certification is cert and post.diagnostics["certification"] == cert.to_dict()
+    again = post.certify(points(), CertificationCriteria(min_ess_bulk=1e6))
+    assert post.certification is again and not again.passed
+    assert pyrobdl.Posterior(blr_model(), "x", {}, COST).certification is None
+
+
+# ----------------------------------------------------------------------------- where it travels
+
+
+TINY_HMC = dict(method="hmc", num_warmup=5, num_samples=8, num_chains=2, num_steps=3, progress=False)
+
+
+def tiny_data():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(20, 3, generator=g)
+    return x, x @ torch.tensor([1.0, -0.5, 0.2]) + 0.3 * torch.randn(20, generator=g)
+
+
+def test_fit_warns_when_an_mcmc_posterior_is_not_certified():
+    x, y = tiny_data()
+    with pytest.warns(UserWarning, match="the hmc posterior is not certified as a reference: .*bulk ESS"):
+        post = pyrobdl.fit(blr_model(), x, y, diagnostic_points=10, **TINY_HMC)
+    cert = post.certification
+    assert isinstance(cert, Certification) and not cert.passed and cert.num_points == 10
+    assert post.diagnostics["certification"] == cert.to_dict()
+    # energy is recorded by the sampler, so E-BFMI is measured
+    assert cert.ebfmi_min is not None
+    svi = pyrobdl.fit(blr_model(), x, y, method="map", num_steps=5, progress=False)  # no warning
+    assert svi.certification is None
+
+
+def test_reference_files_carry_the_certification(tmp_path):
+    x, y = tiny_data()
+    x_eval = x[:7]
+    with pytest.warns(UserWarning, match="not certified"):
+        ref = run_reference(blr_model(), x, y, x_eval, tmp_path / "ref.npz", thin=2, **TINY_HMC)
+    sidecar = json.loads((tmp_path / "ref.json").read_text())
+    assert sidecar["certification"]["passed"] is False
+    assert ref.certification == Certification.from_dict(sidecar["certification"])
+    assert ref.posterior(blr_model()).certification == ref.certification
+    # evaluating against it: the flag and a warning that the agreement means nothing
+    post = iid_posterior(draws=50)
+    with pytest.warns(UserWarning, match="agreement with an uncertified reference means nothing: the reference is "
+                                         "not certified: "):
+        scores = evaluate(post, x_eval, y[:7], reference=ref, num_samples=20)
+    assert scores["reference_certified"] == 0.0 and "w2_to_reference" in scores
+    # a sidecar written before certifications were recorded: not certified
+    del sidecar["certification"]
+    (tmp_path / "ref.json").write_text(json.dumps(sidecar))
+    old = load_reference(tmp_path / "ref.npz")
+    assert not old.certification.passed and old.certification.failures == ("no certification recorded",)
+
+
+def test_reference_method_must_return_chains(tmp_path):
+    x, y = tiny_data()
+    with pytest.raises(ValueError, match="unknown method 'nope'"):
+        run_reference(blr_model(), x, y, x[:3], tmp_path / "r.npz", method="nope")
+    with pytest.raises(ValueError, match="MCMCPosterior"):
+        run_reference(blr_model(), x, y, x[:3], tmp_path / "r.npz", method="map", num_steps=3, progress=False)
+    assert not (tmp_path / "r.npz").exists()
+
+
+def test_evaluate_reports_whether_the_reference_is_certified():
+    x = points(20)
+    y = torch.randn(20)
+    post = iid_posterior(draws=50, seed=1)
+    certified = iid_posterior(seed=2)
+    certified.certify(points())
+    assert certified.certification.passed
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a certified reference: nothing to warn about
+        scores = evaluate(post, x, y, reference=certified, num_samples=20)
+    assert scores["reference_certified"] == 1.0
+    # a suite's stored reference draws with a failed certification
+    stored = StoredPosterior(post.model, post.sample(40), "nuts",
+                             certification=certify(iid_posterior(shift=0.5), points()))
+    with pytest.warns(UserWarning, match="uncertified reference means nothing: .*R-hat"):
+        scores = evaluate(post, x, y, reference=stored, num_samples=20)
+    assert scores["reference_certified"] == 0.0
+    # a reference without a certification (e.g. an SVI posterior): no flag
+    plain = StoredPosterior(post.model, post.sample(40), "map")
+    assert "reference_certified" not in evaluate(post, x, y, reference=plain, num_samples=20)
+
