@@ -38,7 +38,7 @@ import torch
 from . import likelihoods as _lik
 from . import priors as _priors
 
-__all__ = ["FlatLayout", "FlatLogJoint", "SiteSlice"]
+__all__ = ["FlatLayout", "FlatLogJoint", "SiteSlice", "auto_chunk_size"]
 
 _LOG_2PI = math.log(2.0 * math.pi)
 
@@ -140,6 +140,12 @@ class FlatLayout:
         return torch.cat(parts, -1)
 
 
+def auto_chunk_size(num_data: int, width: int, budget: int = 400_000) -> int:
+    """Rows of ``theta`` per call on CPU: a power of two near ``budget / (num_data * width)``."""
+    rows = max(1.0, budget / max(1, num_data * width))
+    return 2 ** round(math.log2(rows))
+
+
 def _check_supported(model: Any) -> None:
     prior, lik = model.prior, model.likelihood
     if not getattr(prior, "proper", True):
@@ -168,9 +174,13 @@ class FlatLogJoint:
         computation.
     y : torch.Tensor
         Targets as the model takes them (``[N]``/``[N, out]``, or class labels ``[N]``).
-    chunk_size : int, optional
+    chunk_size : int or "auto", optional
         Evaluate at most this many rows of ``theta`` at once (bounds memory, e.g. thousands
-        of chains on a GPU); default all at once.
+        of chains on a GPU); None: all at once.  ``"auto"``: on CPU, as many rows as keep one
+        layer's activations (rows x N x widest layer) near 400k numbers, about what a core's
+        cache holds — measured on the 1x50 tanh benchmark (N = 500, one thread), 64 rows cost
+        322 us per row at once, 151 in chunks of 16, 430 in chunks of 2 (per-call overhead);
+        on CUDA all at once.
 
     Attributes
     ----------
@@ -201,8 +211,10 @@ class FlatLogJoint:
 
     def __init__(self, model: Any, x: torch.Tensor, y: torch.Tensor, *, chunk_size: int | None = None) -> None:
         _check_supported(model)
-        if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
-            raise ValueError(f"chunk_size must be an integer >= 1 or None, got {chunk_size!r}")
+        if chunk_size == "auto":
+            chunk_size = None if x.device.type == "cuda" else auto_chunk_size(x.shape[0], max((*model.hidden, model.out_features)))
+        elif chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+            raise ValueError(f"chunk_size must be an integer >= 1, 'auto' or None, got {chunk_size!r}")
         self.model = model
         self.layout = FlatLayout(model)
         self.chunk_size = chunk_size
@@ -228,6 +240,12 @@ class FlatLogJoint:
         elif isinstance(lik, _lik.Gaussian):
             self._tau = float(lik.precision)
         self._x1 = torch.cat([x, x.new_ones(x.shape[0], 1)], 1)
+        # the Gaussian prior as one vector of precisions (0 for the likelihood's latents, whose
+        # prior is added separately): two tensor ops instead of a handful per site
+        self._prior_prec = torch.zeros(self.layout.size, dtype=x.dtype, device=x.device)
+        for sl, prec, _ in self._prior:
+            self._prior_prec[sl.start : sl.stop] = prec
+        self._prior_const = sum(const for _, _, const in self._prior)
 
     # ------------------------------------------------------------------------------- helpers
     @property
@@ -337,12 +355,8 @@ class FlatLogJoint:
         x1 = self._x1 if idx is None else torch.cat([x, x.new_ones(x.shape[0], 1)], 1)
         k, b = theta.shape[0], x.shape[0]
         tanh = self._act == "tanh"
-        grad = torch.empty_like(theta)
-        logp = theta.new_zeros(k)
-        for sl, prec, const in self._prior:
-            v = theta[:, sl.start : sl.stop]
-            logp += const - 0.5 * prec * (v * v).sum(-1)
-            torch.mul(v, -prec, out=grad[:, sl.start : sl.stop])
+        grad = theta * -self._prior_prec  # d/dtheta of the Gaussian prior
+        logp = (theta * grad).sum(-1).mul_(0.5).add_(self._prior_const)
         layers = self._weights(theta)
         last = self._num_layers - 1
         # ---- forward

@@ -70,7 +70,7 @@ CHEES_OPTIONS: dict[str, Any] = {
     "map_num_steps": 500,
     "map_lr": 1e-2,
     "divergence_threshold": 1000.0,
-    "chunk_size": None,
+    "chunk_size": "auto",
     "diagnostic_points": 50,
 }
 
@@ -130,7 +130,7 @@ def _check_options(model: Any, options: Mapping[str, Any]) -> None:
         raise ValueError(f"unknown jitter {options['jitter']!r}; valid: {list(JITTERS)}")
     if options["init_strategy"] not in INIT_STRATEGIES:
         raise ValueError(f"unknown init_strategy {options['init_strategy']!r}; valid: {list(INIT_STRATEGIES)}")
-    if options["chunk_size"] is not None:
+    if options["chunk_size"] not in (None, "auto"):
         _int(options, "chunk_size", 1)
     # the flat log joint refuses what it does not implement, by name, before any work
     from ..flat import _check_supported
