@@ -382,7 +382,7 @@ def run_mcmc(
     device = x.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     jit = options["jit_compile"] and options["potential"] == "trace"
     # One potential for all chains, built before the per-chain seeds take over, so a
     # jit-compiled potential is traced once rather than once per chain.
@@ -412,12 +412,12 @@ def run_mcmc(
     draws = {name: draws[name] for name in model.prior_distributions()}
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     trace = _trace(rows, options["num_warmup"], method)
     capped = np.array([[r[7] for r in chain] for chain in rows], dtype=bool) if method == "hmc" else None
     leapfrog = int(trace.num_steps.sum())
     cost = Cost(wall_time_s=wall, gradient_evaluations=leapfrog + map_grads, epochs=float(leapfrog + map_grads),
-                peak_memory_bytes=_peak_memory(device), device=str(device))
+                peak_memory_bytes=_peak_memory(device), device=str(device), cpu_time_s=cpu)
     posterior = MCMCPosterior(model, draws, trace, method=method, settings=dict(options), cost=cost)
     diagnostics = _sampler_summary(trace, accept_rates, other_grads, map_grads, options, capped)
     diagnostics.update(posterior.convergence_summary(x[: options["diagnostic_points"]]))

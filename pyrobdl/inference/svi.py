@@ -188,7 +188,7 @@ def run_svi(
     settings.validate(num_data)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
 
     loss_fn = make_elbo(model, guide, elbo=settings.elbo, kl=settings.kl, num_particles=settings.num_particles)
     params = [p for p in guide.parameters() if p.requires_grad]
@@ -234,13 +234,14 @@ def run_svi(
                 p.copy_(a)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     cost = Cost(
         wall_time_s=wall,
         gradient_evaluations=steps * settings.num_particles,
         epochs=steps * batch / num_data,
         peak_memory_bytes=_peak_memory(device),
         device=str(device),
+        cpu_time_s=cpu,
     )
     elbo_history = -history.double().cpu().numpy()
     return SVIPosterior(model, guide, method=method, settings=all_settings, cost=cost, history=elbo_history)

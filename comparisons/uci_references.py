@@ -1,0 +1,132 @@
+r"""Certified HMC reference posteriors on the standard UCI splits (method ``"chees"``).
+
+For every requested (dataset, split): the UCI protocol of ``../shared/REFERENCES.md`` §1 —
+one hidden layer of 50 ReLU units, X and y standardised with the training split's statistics,
+N(0, 1) priors on every weight and bias, a learned noise precision with the weak
+Gamma(1, 0.01) prior of ``comparisons/uci.toml`` — sampled by ``pyrobdl.fit(method="chees")``;
+then test RMSE and test log-likelihood on the original target scale
+(``pyrobdl.diagnostics.evaluate``, every stored draw), the certification computed on **held-back
+inputs** (the split's first ``--cert-points`` test inputs, never seen by the sampler) with both
+split and nested R-hat, and the cost (chain-gradients, process CPU seconds, wall seconds).  One
+JSON line per split goes to ``--out`` as soon as the split is done; a rerun skips the splits
+already there, so an interrupted run loses nothing.  ``--table`` prints the Markdown table of
+``docs/results.md``.
+
+Usage (from the repository root)::
+
+    nice -n 10 python comparisons/uci_references.py --data-dir ../shared/datasets \
+        --datasets yacht boston energy concrete wine --splits 0 1 2 --out results/uci_references.jsonl
+    python comparisons/uci_references.py --out results/uci_references.jsonl --table
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import pyrobdl
+from pyrobdl import datasets, likelihoods, priors
+from pyrobdl.diagnostics import CertificationCriteria, certify, evaluate
+
+#: The suite's model for the UCI benchmark (comparisons/uci.toml).
+HIDDEN, CONCENTRATION, RATE = 50, 1.0, 0.01
+
+
+def run_split(name: str, split: int, args: argparse.Namespace) -> dict:
+    data = datasets.load_uci(name, split, data_dir=args.data_dir)
+    model = pyrobdl.BayesianMLP(
+        data.x_train.shape[1], (HIDDEN,), 1, activation="relu", prior=priors.Gaussian(1.0),
+        likelihood=likelihoods.GaussianLearnedPrecision(CONCENTRATION, RATE),
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        post = pyrobdl.fit(
+            model, data.x_train, data.y_train, method="chees", num_chains=args.chains,
+            num_warmup=args.warmup, num_samples=args.samples, seed=args.seed, progress=False,
+        )
+    total = post.num_chains * post.num_draws
+    scores = evaluate(post, data.x_test, data.y_test, num_samples=total, seed=0,
+                      y_mean=data.y_mean, y_std=data.y_std)
+    held_back = data.x_test[: args.cert_points]
+    split_cert = certify(post, held_back)
+    nested_cert = certify(post, held_back, CertificationCriteria(rhat="nested", superchain_size=args.superchain))
+    d = post.diagnostics
+    return {
+        "dataset": name, "split": split, "seed": args.seed,
+        "num_train": int(data.x_train.shape[0]), "num_test": int(data.x_test.shape[0]),
+        "settings": {"num_chains": args.chains, "num_warmup": args.warmup, "num_samples": args.samples},
+        "rmse": scores["rmse"], "test_ll": scores["test_ll"], "coverage_90": scores.get("coverage_90"),
+        "certified_split": split_cert.passed, "failures_split": list(split_cert.failures),
+        "certified_nested": nested_cert.passed, "failures_nested": list(nested_cert.failures),
+        "rhat_split_max": split_cert.rhat_max, "rhat_nested_max": nested_cert.rhat_max,
+        "ess_bulk_min": split_cert.ess_bulk_min, "ess_tail_min": split_cert.ess_tail_min,
+        "divergences": split_cert.divergences, "ebfmi_min": split_cert.ebfmi_min,
+        "step_size": d["step_size"], "trajectory_length": d["trajectory_length"],
+        "mean_num_steps_sampling": d["mean_num_steps_sampling"],
+        "chain_gradients": post.cost.gradient_evaluations, "cpu_s": post.cost.cpu_time_s,
+        "wall_s": post.cost.wall_time_s, "device": post.cost.device,
+        "load_average": os.getloadavg(), "torch_threads": torch.get_num_threads(),
+        "warnings": [str(w.message)[:300] for w in caught],
+        "versions": {"pyrobdl": pyrobdl.__version__, "torch": torch.__version__},
+    }
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| dataset | split | N | test RMSE | test LL | certified (split R-hat) | certified (nested R-hat) "
+            "| max R-hat split / nested | min bulk / tail ESS | div. | chain-gradients | CPU s | wall s |")
+    lines = [head, "|" + "---|" * 13]
+    for r in sorted(rows, key=lambda r: (r["dataset"], r["split"])):
+        lines.append(
+            f"| {r['dataset']} | {r['split']} | {r['num_train']} | {r['rmse']:.3f} | {r['test_ll']:.3f} "
+            f"| {'yes' if r['certified_split'] else 'no'} | {'yes' if r['certified_nested'] else 'no'} "
+            f"| {r['rhat_split_max']:.3f} / {r['rhat_nested_max']:.3f} | {r['ess_bulk_min']:.0f} / {r['ess_tail_min']:.0f} "
+            f"| {r['divergences']} | {r['chain_gradients']:,} | {r['cpu_s']:.0f} | {r['wall_s']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data-dir", default=os.environ.get("PYROBDL_DATA_DIR"))
+    parser.add_argument("--datasets", nargs="*", default=["yacht", "boston", "energy", "concrete", "wine"])
+    parser.add_argument("--splits", nargs="*", type=int, default=[0, 1, 2])
+    parser.add_argument("--chains", type=int, default=64)
+    parser.add_argument("--warmup", type=int, default=500)
+    parser.add_argument("--samples", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cert-points", type=int, default=50, help="held-back test inputs for certification")
+    parser.add_argument("--superchain", type=int, default=8, help="chains per superchain for nested R-hat")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--table", action="store_true", help="print the table of --out and exit")
+    args = parser.parse_args()
+    out = Path(args.out)
+    rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()] if out.exists() else []
+    if args.table:
+        print(table(rows))
+        return
+    torch.set_num_threads(args.threads)
+    done = {(r["dataset"], r["split"]) for r in rows}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for name in args.datasets:
+        for split in args.splits:
+            if (name, split) in done:
+                continue
+            start = time.perf_counter()
+            row = run_split(name, split, args)
+            with out.open("a") as fh:
+                fh.write(json.dumps(row) + "\n")
+            print(f"{name} split {split}: RMSE {row['rmse']:.3f} LL {row['test_ll']:.3f} certified "
+                  f"split={row['certified_split']} nested={row['certified_nested']} "
+                  f"{time.perf_counter() - start:.0f} s; {row['failures_split']}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
