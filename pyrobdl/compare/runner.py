@@ -301,6 +301,15 @@ def run_cell(task: CellTask) -> CellOutcome:
             finally:
                 record["warnings"] += _warning_texts("fit", caught)
         certification = getattr(posterior, "certification", None)
+        if certification is not None and callable(getattr(posterior, "certify", None)):
+            # the suite certifies on held-back inputs: the test split's first points (the fit's
+            # own certification, on training inputs, stays in the diagnostics)
+            points = int(posterior.settings.get("diagnostic_points", 50))
+            certification = posterior.certify(data.x_test[:points].to(posterior.model.device))
+            if not certification.passed:
+                record["warnings"].append(
+                    f"certify: the {cell.method} posterior is not certified on held-back inputs: "
+                    + "; ".join(certification.failures))
         record["certification"] = certification.to_dict() if certification is not None else None
         record["cost"] = posterior.cost.to_dict()
         record["fit_cpu_time_s"] = time.process_time() - cpu_fit

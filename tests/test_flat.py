@@ -1,0 +1,420 @@
+"""The flat batched log joint (pyrobdl.flat): equal to Pyro's potential, value and gradient, for
+every supported prior, likelihood, activation and architecture; the hand-written gradient equal
+to its autograd twin (minibatches, chunks); the layout; refusals; prior draws; dtypes; devices."""
+
+from __future__ import annotations
+
+import math
+
+import pyro
+import pytest
+import torch
+from conftest import DEVICES
+from pyro.infer.autoguide.initialization import init_to_sample
+from pyro.infer.mcmc.util import initialize_model
+
+import pyrobdl
+from pyrobdl.flat import FlatLayout, FlatLogJoint, auto_chunk_size
+from pyrobdl.likelihoods import Categorical, GaussianLearnedPrecision
+from pyrobdl.likelihoods import Gaussian as GaussianLik
+from pyrobdl.priors import Gaussian as GaussianPrior
+
+# Two float64 evaluations of one function written two ways (different summation orders, the
+# sigmoid form of tanh in the fast path) agree to a few hundred ulps (2.2e-16 each): 1e-10 leaves
+# a wide margin yet catches any wrong term (a missing constant or factor is O(1)).
+TOL64 = 1e-10
+# Monte Carlo tolerance of the prior-draw tests: Z standard errors, as in tests/test_mcmc.py.
+Z = 4.0
+NUM_DATA = 12
+
+
+@pytest.fixture
+def float64():
+    """Default dtype float64 for the test (the model's prior distributions take the default dtype)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """|a - b| / max(|b|, 1), elementwise maximum."""
+    return float(((a - b).abs() / b.abs().clamp_min(1.0)).max())
+
+
+def grad_err(ga: torch.Tensor, gb: torch.Tensor) -> float:
+    """max |ga - gb| / max |gb|."""
+    return float((ga - gb).abs().max() / gb.abs().max())
+
+
+# ------------------------------------------------------------------------------- the cases
+PRIORS = {
+    "scalar": lambda layers: GaussianPrior(0.7),
+    # one scale per layer (the last scale large, so the outputs are not tiny), and a bias scale
+    "per_layer": lambda layers: GaussianPrior([1.3, 0.6, 2.0][:layers], bias_scale=0.4),
+    "fan_in": lambda layers: GaussianPrior("fan_in", gain=1.5),
+}
+LIKELIHOODS = {
+    "gaussian-1": (lambda: GaussianLik(4.0), 1),
+    "gaussian-2": (lambda: GaussianLik(4.0), 2),
+    "learned-1": (lambda: GaussianLearnedPrecision(3.0, 2.0), 1),
+    "learned-2": (lambda: GaussianLearnedPrecision(3.0, 2.0), 2),
+    "categorical-3": (lambda: Categorical(), 3),
+}
+# the activation only matters with a hidden layer
+ARCHITECTURES = [((), "relu"), ((5,), "relu"), ((5,), "tanh"), ((4, 3), "relu"), ((4, 3), "tanh")]
+
+
+def make_model(prior: str, likelihood: str, hidden: tuple[int, ...], activation: str, in_features: int = 3):
+    lik, out = LIKELIHOODS[likelihood]
+    return pyrobdl.BayesianMLP(in_features, hidden, out, activation=activation,
+                               prior=PRIORS[prior](len(hidden) + 1), likelihood=lik())
+
+
+def make_data(model, n: int = NUM_DATA, seed: int = 0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, model.in_features, generator=g, dtype=dtype)
+    if model.likelihood.task == "classification":
+        y = torch.randint(model.out_features, (n,), generator=g)
+    elif model.out_features == 1:
+        y = torch.randn(n, generator=g, dtype=dtype)  # [N]: the likelihood makes it [N, 1]
+    else:
+        y = torch.randn(n, model.out_features, generator=g, dtype=dtype)
+    return x, y
+
+
+def pyro_value_and_grad(potential_fn, layout: FlatLayout, theta_row: torch.Tensor):
+    """-U(z) and its autograd gradient, concatenated in layout order, for one flat row."""
+    z = {k: v.detach().clone().requires_grad_(True) for k, v in layout.unpack(theta_row, constrained=False).items()}
+    assert list(z) == [s.name for s in layout.sites]
+    value = -potential_fn(z)
+    grads = torch.autograd.grad(value, list(z.values()))
+    return value.detach(), torch.cat([g.reshape(-1) for g in grads])
+
+
+# ----------------------------------------------------------------- 1. equal to Pyro's potential
+@pytest.mark.parametrize("hidden, activation", ARCHITECTURES, ids=lambda v: str(v))
+@pytest.mark.parametrize("likelihood", list(LIKELIHOODS))
+@pytest.mark.parametrize("prior", list(PRIORS))
+def test_equals_pyros_potential(float64, prior, likelihood, hidden, activation):
+    model = make_model(prior, likelihood, hidden, activation)
+    x, y = make_data(model)
+    lj = FlatLogJoint(model, x, y)
+    _, potential_fn, transforms, _ = initialize_model(model, (x, y), init_strategy=init_to_sample)
+    assert list(transforms) == [s.name for s in lj.layout.sites]
+    if isinstance(model.likelihood, GaussianLearnedPrecision):
+        # Pyro's unconstrained coordinate of the precision is log(tau) as well (Gamma's support is
+        # nonnegative; its bijection is exp then the identity affine map), with log|J| = u
+        u = torch.tensor([-1.3, 0.0, 0.4, 2.5])
+        t = transforms["precision"]  # constrained -> unconstrained
+        torch.testing.assert_close(t.inv(u), u.exp(), rtol=1e-15, atol=0)
+        torch.testing.assert_close(t(u.exp()), u, rtol=1e-15, atol=1e-15)
+        torch.testing.assert_close(t.inv.log_abs_det_jacobian(u, u.exp()), u, rtol=1e-15, atol=1e-15)
+    theta = lj.sample_prior(3, generator=torch.Generator().manual_seed(1))
+    assert theta.dtype == torch.float64
+    value, grad = lj.value_and_grad(theta)
+    for row in range(theta.shape[0]):
+        v_ref, g_ref = pyro_value_and_grad(potential_fn, lj.layout, theta[row])
+        assert rel_err(value[row], v_ref) < TOL64, (value[row], v_ref)
+        assert grad_err(grad[row], g_ref) < TOL64
+
+
+def test_minibatch_equals_pyros_subsampled_potential(float64):
+    """With indices ``idx`` the value is Pyro's potential under ``plate("data", subsample=idx)``."""
+    model = make_model("per_layer", "learned-2", (4, 3), "tanh")
+    x, y = make_data(model, n=10)
+    idx = torch.tensor([7, 2, 2, 9])  # B = 4 of N = 10 (scale 2.5), a repeated index included
+    lj = FlatLogJoint(model, x, y)
+    _, potential_fn, _, _ = initialize_model(model, (x, y, idx), init_strategy=init_to_sample)
+    theta = lj.sample_prior(2, generator=torch.Generator().manual_seed(3))
+    value, grad = lj.value_and_grad(theta, idx)
+    for row in range(2):
+        v_ref, g_ref = pyro_value_and_grad(potential_fn, lj.layout, theta[row])
+        assert rel_err(value[row], v_ref) < TOL64
+        assert grad_err(grad[row], g_ref) < TOL64
+
+
+# ------------------------------------------------------------------ 2. the autograd twin
+@pytest.mark.parametrize("hidden, activation", ARCHITECTURES, ids=lambda v: str(v))
+@pytest.mark.parametrize("likelihood", ["gaussian-2", "learned-1", "categorical-3"])
+def test_gradient_equals_autograd_twin(float64, likelihood, hidden, activation):
+    model = make_model("per_layer", likelihood, hidden, activation)
+    x, y = make_data(model, n=10)
+    lj = FlatLogJoint(model, x, y)
+    theta = lj.sample_prior(5, generator=torch.Generator().manual_seed(2))
+    full_value = lj.value_and_grad(theta)[0]
+    # idx: B = 3 of N = 10, a non-integer scale 10/3; None: the full data
+    for idx in (None, torch.tensor([4, 0, 8])):
+        value, grad = lj.value_and_grad(theta, idx)
+        v_ref, g_ref = lj.log_prob_grad_autograd(theta, idx)
+        assert rel_err(value, v_ref) < TOL64
+        for row in range(5):
+            assert grad_err(grad[row], g_ref[row]) < TOL64
+    # one unbatched vector [P] gives the outputs without the leading dim
+    v1, g1 = lj.value_and_grad(theta[2])
+    assert v1.shape == () and g1.shape == (lj.size,)
+    assert rel_err(v1, full_value[2]) < TOL64
+
+
+def log_prior_by_hand(model, lj: FlatLogJoint, theta: torch.Tensor) -> torch.Tensor:
+    """Log prior of each row in unconstrained space, from torch.distributions and the sites' scales."""
+    values = lj.layout.unpack(theta, constrained=False)
+    total = theta.new_zeros(theta.shape[0])
+    for site in model.sites:
+        s = model.prior.layer_scale(site)
+        total = total + torch.distributions.Normal(0.0, s).log_prob(values[site.name]).reshape(theta.shape[0], -1).sum(-1)
+    if isinstance(model.likelihood, GaussianLearnedPrecision):
+        u = values["precision"]
+        lik = model.likelihood
+        # Gamma density of tau = exp(u) plus the log-Jacobian log(dtau/du) = u
+        total = total + torch.distributions.Gamma(lik.concentration, lik.rate).log_prob(u.exp()) + u
+    return total
+
+
+@pytest.mark.parametrize("likelihood", ["gaussian-1", "learned-2", "categorical-3"])
+def test_minibatch_scales_the_likelihood_by_n_over_b(float64, likelihood):
+    """N = 12, B = 4: the likelihood of the minibatch counts N/B = 3 times, exactly as the full
+    log joint of a dataset made of the minibatch repeated three times."""
+    model = make_model("scalar", likelihood, (5,), "tanh")
+    x, y = make_data(model, n=12)
+    idx = torch.tensor([3, 11, 0, 6])
+    lj = FlatLogJoint(model, x, y)
+    repeated = FlatLogJoint(model, x[idx].repeat(3, 1), y[idx].repeat(3, *([1] * (y.dim() - 1))))
+    subset = FlatLogJoint(model, x[idx], y[idx])
+    theta = lj.sample_prior(4, generator=torch.Generator().manual_seed(5))
+    value, grad = lj.value_and_grad(theta, idx)
+    v_rep, g_rep = repeated.value_and_grad(theta)
+    assert rel_err(value, v_rep) < TOL64
+    for row in range(4):
+        assert grad_err(grad[row], g_rep[row]) < TOL64
+    # by hand: prior + (N / B) * (log joint of the subset - prior)
+    prior = log_prior_by_hand(model, lj, theta)
+    by_hand = prior + 3.0 * (subset.value_and_grad(theta)[0] - prior)
+    assert rel_err(value, by_hand) < TOL64
+    # and the scale is not 1: the minibatch value differs from the subset's own log joint
+    assert (value - subset.value_and_grad(theta)[0]).abs().min() > 1e-3
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, "auto"])
+def test_chunks_equal_one_call(float64, chunk_size):
+    model = make_model("per_layer", "learned-2", (4, 3), "tanh")
+    x, y = make_data(model)
+    whole = FlatLogJoint(model, x, y)
+    chunked = FlatLogJoint(model, x, y, chunk_size=chunk_size)
+    theta = whole.sample_prior(7, generator=torch.Generator().manual_seed(4))  # 7 rows: 3 does not divide it
+    value, grad = whole.value_and_grad(theta)
+    for idx in (None, torch.tensor([1, 5, 9])):
+        v, g = chunked.value_and_grad(theta, idx)
+        v0, g0 = whole.value_and_grad(theta, idx)
+        # each row goes through the same operations whatever the batch it is in; only the
+        # blocking of the batched matrix products may differ, so equal to float64 rounding
+        assert rel_err(v, v0) < TOL64
+        for row in range(7):
+            assert grad_err(g[row], g0[row]) < TOL64
+    if chunk_size == "auto":
+        # CPU: rows x N x widest layer near 400k numbers, a power of two (N = 12, width 4: 8192)
+        assert chunked.chunk_size == auto_chunk_size(NUM_DATA, 4) == 8192
+    else:
+        assert chunked.chunk_size == chunk_size
+    assert value.shape == (7,) and grad.shape == (7, whole.size)
+
+
+def test_auto_chunk_size_is_the_documented_power_of_two():
+    # the docstring's measurement: 1x50 tanh, N = 500 -> chunks of 16 (400k / (500 * 50) = 16)
+    assert auto_chunk_size(500, 50) == 16
+    assert auto_chunk_size(500, 60) == 16  # 13.3 -> log2 3.74 -> 2**4
+    assert auto_chunk_size(500, 100) == 8
+    assert auto_chunk_size(10**6, 100) == 1  # never below one row
+
+
+# ----------------------------------------------------------------------------- 3. the layout
+def test_layout_order_sizes_and_round_trip(float64):
+    model = pyrobdl.BayesianMLP(3, (4, 2), 2, activation="tanh", likelihood=GaussianLearnedPrecision())
+    layout = FlatLayout(model)
+    expected = [("layers.0.weight", (4, 3)), ("layers.0.bias", (4,)), ("layers.1.weight", (2, 4)),
+                ("layers.1.bias", (2,)), ("layers.2.weight", (2, 2)), ("layers.2.bias", (2,)), ("precision", ())]
+    assert [(s.name, s.shape) for s in layout.sites] == expected
+    sizes = [12, 4, 8, 2, 4, 2, 1]
+    assert [s.size for s in layout.sites] == sizes and layout.size == sum(sizes) == 33
+    starts = [0, 12, 16, 24, 26, 30, 32]
+    assert [s.start for s in layout.sites] == starts  # contiguous, in order
+    assert [s.transform for s in layout.sites] == ["identity"] * 6 + ["exp"]
+    assert layout["precision"] is layout.sites[-1]
+    theta = torch.randn(2, 5, layout.size, generator=torch.Generator().manual_seed(0))
+    values = layout.unpack(theta)
+    for (name, shape), s in zip(expected, layout.sites):
+        assert values[name].shape == (2, 5, *shape)
+        flat = theta[..., s.start : s.stop]
+        if s.transform == "identity":
+            assert torch.equal(values[name].reshape(2, 5, -1), flat)  # row-major
+    assert torch.equal(values["precision"], theta[..., 32].exp())  # the positive site is exp-mapped
+    assert torch.equal(layout.unpack(theta, constrained=False)["precision"], theta[..., 32])
+    assert torch.equal(values["layers.0.weight"][1, 3, 2], theta[1, 3, 6:9])  # row 2 of [4, 3]: entries 6..8
+    back = layout.pack(values)
+    assert back.shape == theta.shape
+    assert torch.equal(back[..., :32], theta[..., :32])
+    torch.testing.assert_close(back, theta, rtol=0, atol=1e-15)  # log(exp(u)): rounding only
+    # no batch dims
+    single = layout.pack(layout.unpack(theta[0, 0]))
+    torch.testing.assert_close(single, theta[0, 0], rtol=0, atol=1e-15)
+    with pytest.raises(KeyError, match="precision"):
+        layout.pack({k: v for k, v in values.items() if k != "precision"})
+
+
+def test_layout_without_likelihood_latents():
+    model = pyrobdl.BayesianMLP(2, (), 3, likelihood=Categorical())
+    layout = FlatLayout(model)
+    assert [s.name for s in layout.sites] == ["layers.0.weight", "layers.0.bias"]
+    assert layout.size == 9 and all(s.transform == "identity" for s in layout.sites)
+
+
+# -------------------------------------------------------------------------- 4. refusals
+@pytest.fixture
+def no_layout(monkeypatch):
+    """Fail the test if FlatLogJoint gets as far as building its layout (the first real work)."""
+    import pyrobdl.flat as flat
+
+    monkeypatch.setattr(flat, "FlatLayout", lambda *a, **k: pytest.fail("work started before the refusal"))
+
+
+def test_improper_prior_is_refused(no_layout):
+    model = pyrobdl.BayesianMLP(2, (3,), 1, prior=pyrobdl.priors.LogUniform())
+    x, y = torch.randn(5, 2), torch.randn(5)
+    with pytest.raises(ValueError, match="improper"):
+        FlatLogJoint(model, x, y)
+
+
+class ScaledPrior(GaussianPrior):
+    """A Gaussian prior subclass the fast path does not know (it might change the density)."""
+
+
+class StudentTLikelihood(GaussianLik):
+    """A Gaussian-likelihood subclass the fast path does not know."""
+
+
+@pytest.mark.parametrize("prior, likelihood, name", [
+    (ScaledPrior(1.0), GaussianLik(), "ScaledPrior"),
+    (GaussianPrior(1.0), StudentTLikelihood(), "StudentTLikelihood"),
+])
+def test_unsupported_subclasses_are_refused_by_name(no_layout, prior, likelihood, name):
+    model = pyrobdl.BayesianMLP(2, (3,), 1, prior=prior, likelihood=likelihood)
+    with pytest.raises(TypeError, match=name):
+        FlatLogJoint(model, torch.randn(5, 2), torch.randn(5))
+
+
+@pytest.mark.parametrize("chunk_size", [0, -1, True, "x", 2.0])
+def test_bad_chunk_size_is_refused(no_layout, chunk_size):
+    model = pyrobdl.BayesianMLP(2, (3,), 1)
+    with pytest.raises(ValueError, match="chunk_size"):
+        FlatLogJoint(model, torch.randn(5, 2), torch.randn(5), chunk_size=chunk_size)
+
+
+def test_bad_theta_shape_is_refused():
+    model = pyrobdl.BayesianMLP(2, (3,), 1)
+    lj = FlatLogJoint(model, torch.randn(5, 2), torch.randn(5))
+    with pytest.raises(ValueError, match=r"theta must have shape \[K, 13\]"):
+        lj.value_and_grad(torch.zeros(4, 12))
+    with pytest.raises(ValueError, match=r"theta must have shape"):
+        lj.value_and_grad(torch.zeros(2, 4, 13))
+
+
+# ------------------------------------------------------------------------ 5. prior draws
+def test_sample_prior_is_reproducible_from_a_generator():
+    model = make_model("per_layer", "learned-1", (4,), "tanh")
+    x, y = make_data(model, dtype=torch.float32)
+    lj = FlatLogJoint(model, x, y)
+    a = lj.sample_prior(6, generator=torch.Generator().manual_seed(11))
+    b = lj.sample_prior(6, generator=torch.Generator().manual_seed(11))
+    c = lj.sample_prior(6, generator=torch.Generator().manual_seed(12))
+    assert a.shape == (6, lj.size) and a.dtype == torch.float32 and torch.isfinite(a).all()
+    assert torch.equal(a, b)
+    assert (a != c).all()  # continuous draws: no coordinate coincides
+    # without a generator, torch's global RNG (seeded by conftest) is used
+    torch.manual_seed(5)
+    d = lj.sample_prior(6)
+    torch.manual_seed(5)
+    assert torch.equal(d, lj.sample_prior(6))
+
+
+def test_sample_prior_moments():
+    """4000 draws: each site's entries are N(0, s^2) with the prior's per-site scale, and
+    exp(precision) is Gamma(a, b); means and variances within Z standard errors."""
+    a, b = 3.0, 2.0
+    model = pyrobdl.BayesianMLP(3, (4,), 1, activation="tanh", prior=GaussianPrior([1.3, 0.2], bias_scale=0.5),
+                                likelihood=GaussianLearnedPrecision(a, b))
+    x, y = make_data(model, dtype=torch.float64)
+    lj = FlatLogJoint(model, x, y)
+    n = 4000
+    theta = lj.sample_prior(n, generator=torch.Generator().manual_seed(0))
+    values = lj.layout.unpack(theta)
+    scales = {"layers.0.weight": 1.3, "layers.0.bias": 0.5, "layers.1.weight": 0.2, "layers.1.bias": 0.5}
+    for name, s in scales.items():
+        v = values[name].reshape(n, -1)
+        m = v.numel()  # i.i.d. N(0, s^2) entries
+        assert abs(float(v.mean())) <= Z * s / math.sqrt(m), name
+        # the sample variance of m normal draws has sd s^2 sqrt(2 / (m - 1))
+        assert abs(float(v.var()) - s * s) <= Z * s * s * math.sqrt(2.0 / (m - 1)), name
+        # every entry is drawn independently: entries of one draw are uncorrelated
+        if v.shape[1] > 1:
+            r = float(torch.corrcoef(v[:, :2].t())[0, 1])
+            assert abs(r) <= Z / math.sqrt(n), name
+    tau = values["precision"]
+    assert tau.shape == (n,) and (tau > 0).all()
+    mean, var = a / b, a / b**2
+    assert abs(float(tau.mean()) - mean) <= Z * math.sqrt(var / n)
+    # Var of the sample variance: (mu4 - sigma^4) / n, with the Gamma's mu4 = 3 (a^2 + 2 a) / b^4
+    mu4 = 3 * (a * a + 2 * a) / b**4
+    assert abs(float(tau.var()) - var) <= Z * math.sqrt((mu4 - var * var) / n)
+
+
+# --------------------------------------------------------------------------------- 6. float32
+@pytest.mark.parametrize("likelihood", ["gaussian-2", "learned-1", "categorical-3"])
+def test_float32_matches_float64(likelihood):
+    """float32 evaluates the same function: relative errors below 1e-5.  Reason: float32 rounds at
+    6e-8 (half of eps 1.2e-7); the value sums ~100 terms (prior over 33-45 weights, N * out
+    likelihood terms) and each term passes a handful of rounded ops, so the worst-case linear
+    accumulation is ~100 x 6e-8 ~ 6e-6 of the largest magnitude involved (measured: at most 1.6e-7
+    for the value, 4.7e-7 for the gradient)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        model64 = make_model("per_layer", likelihood, (4, 3), "tanh")
+        x, y = make_data(model64)
+        lj64 = FlatLogJoint(model64, x, y)
+        theta = lj64.sample_prior(8, generator=torch.Generator().manual_seed(9))
+    finally:
+        torch.set_default_dtype(old)
+    assert old == torch.float32
+    model32 = make_model("per_layer", likelihood, (4, 3), "tanh")
+    lj32 = FlatLogJoint(model32, x.float(), y if y.dtype == torch.long else y.float())
+    v64, g64 = lj64.value_and_grad(theta)
+    v32, g32 = lj32.value_and_grad(theta.float())
+    assert v32.dtype == g32.dtype == torch.float32
+    assert rel_err(v32.double(), v64) < 1e-5
+    for row in range(8):
+        assert grad_err(g32[row].double(), g64[row]) < 1e-5
+
+
+# ------------------------------------------------------------------------------------ 7. CUDA
+@pytest.mark.cuda
+@pytest.mark.skipif("cuda" not in DEVICES, reason="needs a CUDA device")
+@pytest.mark.parametrize("likelihood", ["gaussian-2", "learned-1", "categorical-3"])
+@pytest.mark.parametrize("activation", ["relu", "tanh"])
+def test_cuda_equals_cpu(float64, likelihood, activation):
+    model = make_model("per_layer", likelihood, (4, 3), activation)
+    x, y = make_data(model)
+    cpu = FlatLogJoint(model, x, y)
+    theta = cpu.sample_prior(16, generator=torch.Generator().manual_seed(6))
+    gpu_model = make_model("per_layer", likelihood, (4, 3), activation).to("cuda")
+    gpu = FlatLogJoint(gpu_model, x.cuda(), y.cuda())
+    assert gpu.device.type == "cuda" and gpu.chunk_size is None
+    assert FlatLogJoint(gpu_model, x.cuda(), y.cuda(), chunk_size="auto").chunk_size is None  # CUDA: all at once
+    for idx in (None, torch.tensor([2, 7, 7, 11])):
+        v, g = cpu.value_and_grad(theta, idx)
+        vg, gg = gpu.value_and_grad(theta.cuda(), None if idx is None else idx.cuda())
+        assert vg.device.type == gg.device.type == "cuda"
+        assert rel_err(vg.cpu(), v) < TOL64
+        for row in range(16):
+            assert grad_err(gg[row].cpu(), g[row]) < TOL64
+    draws = gpu.sample_prior(4, generator=torch.Generator(device="cuda").manual_seed(0))
+    assert draws.device.type == "cuda" and draws.dtype == torch.float64 and torch.isfinite(draws).all()
