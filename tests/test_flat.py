@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 
-import pyro
 import pytest
 import torch
 from conftest import DEVICES
@@ -162,7 +161,8 @@ def log_prior_by_hand(model, lj: FlatLogJoint, theta: torch.Tensor) -> torch.Ten
     total = theta.new_zeros(theta.shape[0])
     for site in model.sites:
         s = model.prior.layer_scale(site)
-        total = total + torch.distributions.Normal(0.0, s).log_prob(values[site.name]).reshape(theta.shape[0], -1).sum(-1)
+        log_p = torch.distributions.Normal(0.0, s).log_prob(values[site.name])
+        total = total + log_p.reshape(theta.shape[0], -1).sum(-1)
     if isinstance(model.likelihood, GaussianLearnedPrecision):
         u = values["precision"]
         lik = model.likelihood

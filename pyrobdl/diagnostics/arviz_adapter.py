@@ -73,11 +73,14 @@ def convergence(draws: Any) -> dict[str, np.ndarray]:
     if arr.ndim < 2:
         raise ValueError(f"draws must have shape [chain, draw, ...], got {arr.shape}")
     dataset = az.convert_to_dataset({"x": arr})
-    return {
-        "rhat": np.asarray(az.rhat(dataset)["x"].values),
-        "ess_bulk": np.asarray(az.ess(dataset, method="bulk")["x"].values),
-        "ess_tail": np.asarray(az.ess(dataset, method="tail")["x"].values),
-    }
+    # chains that never moved (every proposal rejected) have zero variance: ArviZ divides by it;
+    # the NaN/inf it returns is the answer (a failed diagnostic), the warning is noise
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return {
+            "rhat": np.asarray(az.rhat(dataset)["x"].values),
+            "ess_bulk": np.asarray(az.ess(dataset, method="bulk")["x"].values),
+            "ess_tail": np.asarray(az.ess(dataset, method="tail")["x"].values),
+        }
 
 
 def bfmi(energy: Any) -> np.ndarray:

@@ -198,14 +198,16 @@ class _TrajectoryAdam:
     v: float = 0.0
     t: int = 0
     log_t_avg: float = 0.0
+    updates: int = 0
 
     def update(self, gradient: float) -> None:
         self.t += 1
+        self.updates += 1
         self.v = _ADAM_BETA2 * self.v + (1.0 - _ADAM_BETA2) * gradient * gradient
         v_hat = self.v / (1.0 - _ADAM_BETA2**self.t)
         step = self.lr * gradient / (math.sqrt(v_hat) + _ADAM_EPS)
         self.log_t += max(-_LOG_T_CLIP, min(_LOG_T_CLIP, step))
-        w = self.t ** -_MA_DECAY
+        w = self.updates ** -_MA_DECAY
         self.log_t_avg = (1.0 - w) * self.log_t_avg + w * self.log_t
 
 
@@ -424,7 +426,7 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
         from tqdm.auto import tqdm
 
         bar = tqdm(total=total, desc="chees", leave=False)
-    trajectory_length = math.exp(traj.log_t)
+    trajectory_length = wanted_length = math.exp(traj.log_t)
     for it in range(total):
         halton_index += 1
         h = {"halton": lambda: halton(halton_index), "uniform": lambda: float(rng.uniform()),
@@ -464,10 +466,15 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
                 step = sampler.find_step_size(step)
                 search_grads += sampler.gradients - before
                 da = _DualAveraging.start(step)
+                # a fresh Adam state in the new metric: the second moment otherwise remembers the
+                # huge gradients of the first iterations, when chains fall from their prior draws,
+                # and freezes log T (measured with a learned noise precision: T stuck at 1.05)
+                traj.v, traj.t = 0.0, 0
                 trajectory_length = min(max(math.exp(traj.log_t_avg), step), cap * step)
             if it == warm - 1:
                 step = math.exp(da.log_step_bar)
-                trajectory_length = min(max(math.exp(traj.log_t_avg), step), cap * step)
+                wanted_length = math.exp(traj.log_t_avg)
+                trajectory_length = min(max(wanted_length, step), cap * step)
         else:
             samples[it - warm] = sampler.theta
         if bar is not None:
@@ -515,6 +522,15 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
         "cpu_time_s": cpu,
         "ebfmi": [float(e) for e in _ebfmi(stats["energy"][:, warm:])],
     }
+    capped_length = wanted_length > cap * step * (1 + 1e-12)
+    diagnostics["trajectory_length_wanted"] = float(wanted_length)
+    diagnostics["trajectory_length_capped"] = bool(capped_length)
+    if capped_length:
+        warnings.warn(
+            f"chees: the adapted trajectory length {wanted_length:.3g} needs more than max_num_steps={cap} "
+            f"leapfrog steps of the adapted step size {step:.3g}, so it was cut to {cap * step:.3g}: the "
+            "chains move less per iteration than the adaptation asked for; raise max_num_steps (cost) or "
+            "expect lower ESS per iteration", UserWarning, stacklevel=3)
     if cap_hits[warm:].any():
         warnings.warn(
             f"chees: the trajectory needed more than max_num_steps={cap} leapfrog steps in "
