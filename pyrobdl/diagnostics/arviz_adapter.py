@@ -72,7 +72,11 @@ def convergence(draws: Any) -> dict[str, np.ndarray]:
     arr = np.asarray(draws, dtype=float)
     if arr.ndim < 2:
         raise ValueError(f"draws must have shape [chain, draw, ...], got {arr.shape}")
-    dataset = az.convert_to_dataset({"x": arr})
+    with warnings.catch_warnings():
+        # ArviZ guesses that an array with more chains than draws has its axes swapped; the
+        # [chain, draw] order here is by construction (many-chain samplers: K > draws is normal)
+        warnings.filterwarnings("ignore", message="More chains", category=UserWarning)
+        dataset = az.convert_to_dataset({"x": arr})
     # chains that never moved (every proposal rejected) have zero variance: ArviZ divides by it;
     # the NaN/inf it returns is the answer (a failed diagnostic), the warning is noise
     with np.errstate(divide="ignore", invalid="ignore"):
