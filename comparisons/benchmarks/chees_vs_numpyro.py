@@ -47,8 +47,10 @@ Usage::
 
 chees draws ``max(--chees-min-samples, ceil(--chees-draws / K))`` samples per chain, so every
 run keeps at least as many draws in all as NumPyro's 2 x 300 (and ESS/R-hat get at least 20
-draws per chain).  With the defaults (one seed) the script takes ~25 CPU minutes here, most of
-it chees with K = 128 (each chain pays the full warm-up); ``--seeds 0 1`` doubles part 2.
+draws per chain).  With the defaults (one seed) the script took 34 minutes on the project's
+shared 2-core machine (load average 2-3.6), 15 of them chees with K = 128 (every chain pays the
+full warm-up); each further seed adds ~35 minutes (``--seeds 1 --skip-micro`` runs one more
+seed alone).
 """
 
 from __future__ import annotations
@@ -110,6 +112,21 @@ def chees_samples(k: int, args) -> int:
 
 def load() -> str:
     return "%.2f %.2f %.2f" % os.getloadavg()
+
+
+def pyrobdl_version() -> str:
+    """The commit of the checkout, with '+dirty' when pyrobdl/ has uncommitted changes."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                                text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "pyrobdl"], cwd=root, capture_output=True,
+                               text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return commit + ("+dirty" if dirty else "")
 
 
 # --------------------------------------------------------------------------- part 1: per gradient
@@ -442,7 +459,8 @@ def main() -> None:
     settings = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "torch": torch.__version__, "jax": jax.__version__, "numpyro": numpyro.__version__,
-        "pyro": __import__("pyro").__version__, "torch_threads": torch.get_num_threads(),
+        "pyro": __import__("pyro").__version__, "pyrobdl_commit": pyrobdl_version(),
+        "torch_threads": torch.get_num_threads(),
         "xla_flags": os.environ.get("XLA_FLAGS"), "cpu_count": os.cpu_count(),
         "load_average_before": load(), **vars(args),
         "chees_samples_per_chain": {k: chees_samples(k, args) for k in args.chees_chains},
@@ -474,6 +492,8 @@ def main() -> None:
         out["end_to_end"] = rows
 
     settings["load_average_after"] = load()
+    if pyrobdl_version() != settings["pyrobdl_commit"]:
+        print(f"WARNING: the checkout changed during the run ({settings['pyrobdl_commit']} -> {pyrobdl_version()})")
     print(f"\nload average after: {settings['load_average_after']}")
     if not args.skip_micro:
         print(f"\n## Cost per chain-gradient ({out['micro_states']}; medians of {args.micro_rounds} rounds)\n")
