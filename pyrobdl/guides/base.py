@@ -135,6 +135,71 @@ class BNNGuide(PyroModule):
         super().__init__()
         self.site_specs = model_sites(model)
         self._transform_cache: dict[str, Any] = {}
+        self._packs: dict[str, tuple[str, ...]] = {}
+
+    # ------------------------------------------------------------------ packed parameters
+    def _pack(self, group: str, names: list[str]) -> None:
+        """Make the unconstrained parameters of the PyroParams ``names`` views of one buffer.
+
+        Each named parameter stays an ordinary ``nn.Parameter`` (Pyro, ``state_dict`` and plain
+        optimizers see per-site tensors under their usual names), but its storage is a slice of
+        one contiguous vector, in the order given, which :meth:`packed` returns.  pyrobdl's flat
+        hot path reads and updates that vector in one operation.
+        """
+        self._packs[group] = tuple(names)
+        self._repack(group)
+
+    def _repack(self, group: str) -> torch.Tensor:
+        params = [self._parameters[n + "_unconstrained"] for n in self._packs[group]]
+        with torch.no_grad():
+            flat = torch.cat([p.detach().reshape(-1) for p in params])
+        start = 0
+        for p in params:
+            n = p.numel()
+            p.data = flat[start : start + n].view(p.shape)
+            start += n
+        # not a buffer: nn.Module must not move it independently of the views (see _apply)
+        self.__dict__["_packed_" + group] = flat
+        return flat
+
+    def packed(self, group: str) -> torch.Tensor:
+        """The contiguous vector behind the parameters of ``group``, e.g. ``"loc"``.
+
+        The per-site parameters are views of it.  Whatever broke the sharing (``copy.deepcopy``,
+        a Pyro parameter store that substituted its own tensor) is repaired here: the current
+        per-site values are gathered into a new vector and the parameters become its views
+        again.  Call it before each run, not inside a training step.
+
+        Raises
+        ------
+        KeyError
+            If the guide has no packed group of that name.
+        """
+        names = self._packs[group]
+        flat = self.__dict__.get("_packed_" + group)
+        if flat is not None:
+            start, base, size = 0, flat.data_ptr(), flat.element_size()
+            for n in names:
+                p = self._parameters[n + "_unconstrained"]
+                if (
+                    p.data_ptr() != base + start * size
+                    or not p.is_contiguous()
+                    or p.dtype != flat.dtype
+                    or p.device != flat.device
+                ):
+                    break
+                start += p.numel()
+            else:
+                if start == flat.numel():
+                    return flat
+        return self._repack(group)
+
+    def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        # .to()/.double()/.cuda() convert each parameter on its own, which breaks the sharing
+        out = super()._apply(fn, *args, **kwargs)
+        for group in getattr(self, "_packs", {}):
+            self._repack(group)
+        return out
 
     def variational_distributions(self) -> dict[str, dist.Distribution]:
         """Return ``{site name: q(site)}``, each with empty batch shape and the site's event shape."""
@@ -156,6 +221,12 @@ class BNNGuide(PyroModule):
         if transform is None:
             transform = self._transform_cache[name] = torch.distributions.transform_to(constraint)
         return transform(self._parameters[name + "_unconstrained"])
+
+    def flat_family(self) -> tuple[str, dict[str, torch.Tensor]] | None:
+        """The guide's parameters as packed vectors over the flat layout, for pyrobdl's flat
+        ELBO (``("normal", {"loc", "scale"})`` or ``("delta", {"loc"})``), or None (the
+        default) when the guide is only available through its distributions."""
+        return None
 
     def site_infer(self, name: str) -> dict:
         """Extra ``infer`` settings of a site's ``pyro.sample`` (e.g. a score-function baseline)."""

@@ -35,6 +35,12 @@ class MAP(BNNGuide):
         values = init_values(self.site_specs, init_loc)
         for s in self.site_specs:
             setattr(self, f"{s.key}_loc", PyroParam(values[s.name].detach().clone(), constraint=s.support))
+        # one vector in the flat layout's order (a positive site stored as its logarithm)
+        self._pack("loc", [f"{s.key}_loc" for s in self.site_specs])
+
+    def flat_family(self) -> tuple[str, dict[str, torch.Tensor]]:
+        """The guide as one packed vector for pyrobdl's flat hot path: ``("delta", {"loc": theta})``."""
+        return "delta", {"loc": self.packed("loc")}
 
     def variational_distributions(self) -> dict[str, dist.Distribution]:
         return {

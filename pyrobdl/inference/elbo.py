@@ -27,7 +27,7 @@ from ..poutine import KLWeightMessenger
 __all__ = ["DirectELBO", "ELBOS", "KL_TREATMENTS", "PyroELBO", "make_elbo"]
 
 #: Values of the ``elbo`` option of SVI methods.
-ELBOS = ("direct", "trace", "jit_trace", "trace_graph")
+ELBOS = ("direct", "distributions", "trace", "jit_trace", "trace_graph")
 #: Values of the ``kl`` option of SVI methods.
 KL_TREATMENTS = ("analytic", "monte_carlo")
 
@@ -167,8 +167,12 @@ def make_elbo(
     ----------
     model, guide
         Model and guide.
-    elbo : {"direct", "trace", "jit_trace", "trace_graph"}
-        Estimator: pyrobdl's :class:`DirectELBO`, or Pyro's ``Trace_ELBO`` family.
+    elbo : {"direct", "distributions", "trace", "jit_trace", "trace_graph"}
+        Estimator.  ``"direct"``: pyrobdl's own hot path — the flat
+        :class:`~pyrobdl.inference.flat_elbo.FlatELBO` when the guide has a packed family and the
+        model is one the flat log joint implements (Gaussian prior, relu/tanh, Gaussian or
+        categorical likelihood), otherwise :class:`DirectELBO`.  ``"distributions"``:
+        :class:`DirectELBO` always.  Or Pyro's ``Trace_ELBO`` family.
     kl : {"analytic", "monte_carlo"}
         KL treatment.  ``"analytic"`` with ``"trace"``/``"jit_trace"`` selects Pyro's
         ``TraceMeanField_ELBO``/``JitTraceMeanField_ELBO``.  ``"trace_graph"`` needs
@@ -186,6 +190,12 @@ def make_elbo(
     if kl not in KL_TREATMENTS:
         raise ValueError(f"unknown kl {kl!r}; valid: {list(KL_TREATMENTS)}")
     if elbo == "direct":
+        from .flat_elbo import FlatELBO, flat_support
+
+        if flat_support(model, guide) is None:
+            return FlatELBO(model, guide, num_particles=num_particles, analytic_kl=kl == "analytic")
+        return DirectELBO(model, guide, num_particles=num_particles, analytic_kl=kl == "analytic")
+    if elbo == "distributions":
         return DirectELBO(model, guide, num_particles=num_particles, analytic_kl=kl == "analytic")
     classes = {
         ("trace", "monte_carlo"): pyro.infer.Trace_ELBO,

@@ -23,7 +23,10 @@ from tqdm.auto import tqdm
 from ..posterior import Cost, SVIPosterior
 from .elbo import make_elbo
 
-__all__ = ["LR_SCHEDULES", "LoopSettings", "run_svi"]
+__all__ = ["CHECK_EVERY", "LR_SCHEDULES", "LoopSettings", "run_svi"]
+
+#: Steps between two finiteness checks of the loss (each one synchronises with the device).
+CHECK_EVERY = 50
 
 
 def _constant(t: float) -> float:
@@ -180,8 +183,9 @@ def run_svi(
     ------
     FloatingPointError
         When the loss becomes NaN or infinite; the message names the step and the last finite
-        ELBO.  On CPU this is checked before the step is applied, so the guide keeps its last
-        finite parameters; on CUDA the check runs every 100 steps to avoid a device sync per step.
+        ELBO.  The check runs every :data:`CHECK_EVERY` steps (one device synchronisation each,
+        not one per step); when it fails, the guide's parameters are restored to those of the
+        last passed check, so the guide is left finite.
     """
     device = x.device
     num_data = x.shape[0]
@@ -191,17 +195,22 @@ def run_svi(
     start, cpu_start = time.perf_counter(), time.process_time()
 
     loss_fn = make_elbo(model, guide, elbo=settings.elbo, kl=settings.kl, num_particles=settings.num_particles)
-    params = [p for p in guide.parameters() if p.requires_grad]
+    # The flat path (FlatELBO) computes its own gradient and optimizes the guide's packed
+    # vectors; other losses go through autograd over the guide's parameters.
+    flat = hasattr(loss_fn, "loss_and_grad")
+    params = loss_fn.parameters_to_optimize() if flat else [p for p in guide.parameters() if p.requires_grad]
     optimizer = _adam(params, settings.lr)
-    schedule = LR_SCHEDULES[settings.lr_schedule]
+    group = optimizer.param_groups[0]
+    schedule = None if settings.lr_schedule == "constant" else LR_SCHEDULES[settings.lr_schedule]
     steps = settings.num_steps
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: schedule(min(i / max(steps - 1, 1), 1.0)))
     batch = settings.effective_batch(num_data)
     batches = _Batches(num_data, batch, device)
     average_from = steps - int(round(settings.average_last * steps)) if settings.average_last > 0 else steps
     averaged = [p.detach().clone() for p in params] if average_from < steps else []
     history = torch.empty(steps, device=device)
-    check_every = 1 if device.type == "cpu" else 100
+    # Finiteness is checked every CHECK_EVERY steps (one device sync each), with a snapshot of
+    # the parameters at each passed check to fall back to.
+    snapshot = [p.detach().clone() for p in params]
     checked = 0
 
     bar = tqdm(range(steps), desc=method, disable=not progress, mininterval=0.5, leave=False)
@@ -211,23 +220,25 @@ def run_svi(
         for step in bar:
             if settings.kl_warmup:
                 loss_fn.kl_weight = min(1.0, (step + 1) / settings.kl_warmup)
-            loss = loss_fn(x, y, batches.next())
+            if flat:
+                loss = loss_fn.loss_and_grad(x, y, batches.next())
+            else:
+                loss = loss_fn(x, y, batches.next())
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
             history[step] = loss.detach()
-            if step + 1 - checked >= check_every:
-                _check_finite(history, checked, step + 1)
+            if step + 1 - checked >= CHECK_EVERY:
+                _check_finite(history, checked, step + 1, params, snapshot)
                 checked = step + 1
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            if schedule is not None:
+                group["lr"] = settings.lr * schedule(min(step / max(steps - 1, 1), 1.0))
             optimizer.step()
-            scheduler.step()
             if step >= average_from:
-                k = step - average_from + 1
                 with torch.no_grad():
-                    for a, p in zip(averaged, params):
-                        a.lerp_(p, 1.0 / k)
+                    torch._foreach_lerp_(averaged, params, 1.0 / (step - average_from + 1))
             if progress and step % 200 == 0:
                 bar.set_postfix(elbo=f"{-float(history[step]):.4g}", refresh=False)
-    _check_finite(history, checked, steps)
+    _check_finite(history, checked, steps, params, snapshot)
     if averaged:
         with torch.no_grad():
             for a, p in zip(averaged, params):
@@ -247,11 +258,19 @@ def run_svi(
     return SVIPosterior(model, guide, method=method, settings=all_settings, cost=cost, history=elbo_history)
 
 
-def _check_finite(history: torch.Tensor, start: int, stop: int) -> None:
+def _check_finite(
+    history: torch.Tensor, start: int, stop: int, params: list[torch.Tensor], snapshot: list[torch.Tensor]
+) -> None:
+    """Raise FloatingPointError if a loss in ``history[start:stop]`` is not finite, after
+    restoring ``params`` from ``snapshot``; otherwise refresh the snapshot."""
     chunk = history[start:stop]
     finite = torch.isfinite(chunk)
     if bool(finite.all()):
+        with torch.no_grad():
+            torch._foreach_copy_(snapshot, params)
         return
+    with torch.no_grad():
+        torch._foreach_copy_(params, snapshot)
     bad = start + int((~finite).nonzero()[0])
     good = torch.isfinite(history[:bad]).nonzero()
     if good.numel():
