@@ -44,7 +44,7 @@ def loss_and_grad(model, guide, x, y, *, elbo, kl, particles, kl_weight=1.0):
 def test_direct_elbo_equals_pyro_elbo(likelihood, local, kl, particles):
     """Same seed, same draws: value and gradient equal Trace_ELBO / TraceMeanField_ELBO."""
     model, guide, x, y = setup(likelihood, local)
-    direct = loss_and_grad(model, guide, x, y, elbo="direct", kl=kl, particles=particles, kl_weight=0.3)
+    direct = loss_and_grad(model, guide, x, y, elbo="distributions", kl=kl, particles=particles, kl_weight=0.3)
     pyro_ = loss_and_grad(model, guide, x, y, elbo="trace", kl=kl, particles=particles, kl_weight=0.3)
     # float32 sums of ~100 terms in different orders: relative 1e-5
     assert torch.allclose(direct[0], pyro_[0], rtol=1e-5, atol=1e-4)
@@ -53,8 +53,8 @@ def test_direct_elbo_equals_pyro_elbo(likelihood, local, kl, particles):
 
 def test_kl_weight_scales_only_the_kl():
     model, guide, x, y = setup("gaussian", False)
-    full = loss_and_grad(model, guide, x, y, elbo="direct", kl="analytic", particles=1)[0]
-    none = loss_and_grad(model, guide, x, y, elbo="direct", kl="analytic", particles=1, kl_weight=0.0)[0]
+    full = loss_and_grad(model, guide, x, y, elbo="distributions", kl="analytic", particles=1)[0]
+    none = loss_and_grad(model, guide, x, y, elbo="distributions", kl="analytic", particles=1, kl_weight=0.0)[0]
     q, p = guide.variational_distributions(), model.prior_distributions()
     kl = sum(torch.distributions.kl_divergence(q[n], p[n]) for n in q).detach()
     assert torch.allclose(full - none, kl, rtol=1e-5)
@@ -127,6 +127,6 @@ def test_local_reparameterization_is_scoped():
 def test_direct_elbo_accepts_flat_regression_targets():
     """A [N] target for a one-output regression gives the same loss as [N, 1] (no broadcasting)."""
     model, guide, x, y = setup("gaussian", False)
-    flat = loss_and_grad(model, guide, x, y.squeeze(-1), elbo="direct", kl="analytic", particles=1)[0]
-    column = loss_and_grad(model, guide, x, y, elbo="direct", kl="analytic", particles=1)[0]
+    flat = loss_and_grad(model, guide, x, y.squeeze(-1), elbo="distributions", kl="analytic", particles=1)[0]
+    column = loss_and_grad(model, guide, x, y, elbo="distributions", kl="analytic", particles=1)[0]
     assert torch.equal(flat, column)

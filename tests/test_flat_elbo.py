@@ -80,9 +80,10 @@ def test_mean_field_equals_pyro(float64, case, kl, num_particles, minibatch):
     x, y = make_data(model)
     y = model.likelihood.prepare_targets(y, model.out_features)
     guide = MeanField(model, init_scale=0.3)
+    packed = guide.flat_family()[1]
     with torch.no_grad():  # unequal scales and locations away from the init
-        guide.packed("loc").add_(0.2 * torch.randn(guide.packed("loc").shape))
-        guide.packed("scale").add_(0.5 * torch.randn(guide.packed("scale").shape))
+        packed["loc"].add_(0.2 * torch.randn(packed["loc"].shape))
+        packed["scale"].add_(0.5 * torch.randn(packed["scale"].shape))
     idx = torch.tensor([0, 3, 4, 7, 11]) if minibatch else None
     beta = 0.3 if minibatch else 1.0
     analytic = kl == "analytic"
@@ -93,9 +94,10 @@ def test_mean_field_equals_pyro(float64, case, kl, num_particles, minibatch):
     fast.kl_weight = beta
     loss = fast.loss_and_grad(x, y, idx, noise=noise)
     assert abs(float(loss - ref_loss)) / max(1.0, abs(float(ref_loss))) < TOL64
-    loc, scale = fast.parameters_to_optimize()
-    assert rel(loc.grad, ref_grads[0]) < TOL64
-    assert rel(scale.grad, ref_grads[1]) < TOL64
+    (vector,) = fast.parameters_to_optimize()
+    half = vector.shape[0] // 2
+    assert rel(vector.grad[:half], ref_grads[0]) < TOL64
+    assert rel(vector.grad[half:], ref_grads[1]) < TOL64
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
@@ -126,7 +128,7 @@ def test_flat_and_distribution_paths_agree_in_expectation(float64):
     y = model.likelihood.prepare_targets(y, model.out_features)
     guide = MeanField(model, init_scale=0.2)
     fast, slow = FlatELBO(model, guide), DirectELBO(model, guide)
-    a = torch.stack([fast(x, y) for _ in range(400)])
+    a = torch.stack([fast(x, y).detach() for _ in range(400)])
     with torch.no_grad():
         b = torch.stack([slow(x, y) for _ in range(400)])
     se = (a.var() / 400 + b.var() / 400).sqrt()
@@ -137,9 +139,11 @@ def test_flat_and_distribution_paths_agree_in_expectation(float64):
 def test_packed_parameters_are_views_of_one_vector():
     model = pyrobdl.BayesianMLP(3, (4,), 2, likelihood=pyrobdl.likelihoods.GaussianLearnedPrecision())
     guide = MeanField(model)
-    loc = guide.packed("loc")
     layout = pyrobdl.flat.FlatLayout(model)
-    assert loc.shape == (layout.size,)
+    vector = guide.packed("params")
+    assert vector.shape == (2 * layout.size,)
+    loc = guide.flat_family()[1]["loc"]
+    assert loc.data_ptr() == vector.data_ptr() and loc.shape == (layout.size,)
     with torch.no_grad():
         loc.copy_(torch.arange(layout.size, dtype=loc.dtype))
     for s in layout.sites:  # the per-site parameters see the write, in the flat layout's order
@@ -162,7 +166,7 @@ def test_packing_survives_copies_and_conversions(break_it):
     else:
         guide.load_state_dict({k: v + 1.0 for k, v in before.items()})
         before = {k: v + 1.0 for k, v in before.items()}
-    loc = guide.packed("loc")
+    loc = guide.flat_family()[1]["loc"]
     with torch.no_grad():
         loc.mul_(2.0)
     state = guide.state_dict()
@@ -211,3 +215,39 @@ def test_fit_through_the_flat_path_matches_the_distribution_path(method, device)
     # posterior sd is ~0.05: Adam noise and Polyak averaging leave the means within 0.01
     for elbo, m in fits.items():
         assert torch.allclose(m, exact, atol=0.01), (elbo, m, exact)
+
+
+def test_packed_adam_equals_torch_adam(float64):
+    from pyrobdl.inference.svi import PackedAdam
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(37, generator=g)
+    b = a.clone()
+    ours, theirs = PackedAdam([a], lr=0.05), torch.optim.Adam([b], lr=0.05)
+    for step in range(200):
+        grad = torch.randn(37, generator=g) * (1 + step % 7) + a.detach()
+        a.grad, b.grad = grad.clone(), grad.clone()
+        lr = 0.05 * (1 - step / 400)  # a changing learning rate, as the loop's schedules do
+        ours.param_groups[0]["lr"] = theirs.param_groups[0]["lr"] = lr
+        ours.step()
+        theirs.step()
+    assert float((a - b).abs().max() / b.abs().max()) < TOL64
+
+
+def test_forward_is_differentiable_like_the_other_losses(float64):
+    """``loss_fn(x, y).backward()`` (what generic code does with make_elbo's losses) gives the
+    per-site parameters the same gradient loss_and_grad puts on the packed vector."""
+    pyro.set_rng_seed(4)
+    model = make_model("scalar", "learned-1", (5,), "relu")
+    x, y = make_data(model)
+    guide = MeanField(model, init_scale=0.2)
+    fast = FlatELBO(model, guide)
+    pyro.set_rng_seed(5)
+    loss = fast(x, y)
+    loss.backward()
+    pyro.set_rng_seed(5)
+    value = fast.loss_and_grad(x, y)
+    assert float(loss.detach()) == float(value)
+    (vector,) = fast.parameters_to_optimize()
+    per_site = torch.cat([p.grad.reshape(-1) for p in [guide._parameters[n + "_unconstrained"] for n in guide._packs["params"]]])
+    assert torch.equal(per_site, vector.grad)

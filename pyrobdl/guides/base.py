@@ -163,7 +163,7 @@ class BNNGuide(PyroModule):
         return flat
 
     def packed(self, group: str) -> torch.Tensor:
-        """The contiguous vector behind the parameters of ``group``, e.g. ``"loc"``.
+        """The contiguous vector behind the parameters of ``group`` (``"params"`` for pyrobdl's guides).
 
         The per-site parameters are views of it.  Whatever broke the sharing (``copy.deepcopy``,
         a Pyro parameter store that substituted its own tensor) is repaired here: the current
@@ -224,7 +224,8 @@ class BNNGuide(PyroModule):
 
     def flat_family(self) -> tuple[str, dict[str, torch.Tensor]] | None:
         """The guide's parameters as packed vectors over the flat layout, for pyrobdl's flat
-        ELBO (``("normal", {"loc", "scale"})`` or ``("delta", {"loc"})``), or None (the
+        ELBO (``("normal", {"vector", "loc", "scale"})`` or ``("delta", {"vector", "loc"})``,
+        where ``vector`` is the one tensor an optimizer steps), or None (the
         default) when the guide is only available through its distributions."""
         return None
 

@@ -36,11 +36,13 @@ class MAP(BNNGuide):
         for s in self.site_specs:
             setattr(self, f"{s.key}_loc", PyroParam(values[s.name].detach().clone(), constraint=s.support))
         # one vector in the flat layout's order (a positive site stored as its logarithm)
-        self._pack("loc", [f"{s.key}_loc" for s in self.site_specs])
+        self._pack("params", [f"{s.key}_loc" for s in self.site_specs])
 
     def flat_family(self) -> tuple[str, dict[str, torch.Tensor]]:
-        """The guide as one packed vector for pyrobdl's flat hot path: ``("delta", {"loc": theta})``."""
-        return "delta", {"loc": self.packed("loc")}
+        """The guide as one packed vector for pyrobdl's flat hot path:
+        ``("delta", {"vector": theta, "loc": theta})``."""
+        v = self.packed("params")
+        return "delta", {"vector": v, "loc": v}
 
     def variational_distributions(self) -> dict[str, dist.Distribution]:
         return {

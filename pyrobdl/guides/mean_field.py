@@ -50,9 +50,10 @@ class MeanField(BNNGuide):
     ``Trace_ELBO`` a Monte Carlo estimate of it.  Parameters are ``PyroParam`` attributes named
     ``{site}_loc`` and ``{site}_scale`` with dots replaced by underscores, e.g.
     ``layers_0_weight_scale``; the scale is stored through the softplus transform
-    (``constraints.softplus_positive``).  The per-site parameters are views of two packed
-    vectors (:meth:`BNNGuide.packed`, groups ``"loc"`` and ``"scale"``) laid out like
-    :class:`pyrobdl.flat.FlatLayout`, which pyrobdl's flat ELBO updates in one operation.
+    (``constraints.softplus_positive``).  The per-site parameters are views of one packed
+    vector (:meth:`BNNGuide.packed`, group ``"params"``: every loc, then every scale, each half
+    laid out like :class:`pyrobdl.flat.FlatLayout`), which pyrobdl's flat ELBO updates in one
+    operation.
 
     References
     ----------
@@ -82,25 +83,28 @@ class MeanField(BNNGuide):
                 f"{s.key}_scale",
                 PyroParam(torch.full_like(loc, init_scale), constraint=constraints.softplus_positive),
             )
-        # every site's loc (and scale) is a view of one vector in the flat layout's order
-        self._pack("loc", [f"{s.key}_loc" for s in self.site_specs])
-        self._pack("scale", [f"{s.key}_scale" for s in self.site_specs])
+        # every site's loc and scale is a view of one vector [locs..., scales...], each half in
+        # the flat layout's order
+        self._pack("params", [f"{s.key}_loc" for s in self.site_specs] + [f"{s.key}_scale" for s in self.site_specs])
 
     def flat_family(self) -> tuple[str, dict[str, torch.Tensor]] | None:
         r"""The guide as packed vectors for pyrobdl's flat hot path.
 
         Returns
         -------
-        ("normal", {"loc": mu, "scale": rho}) or None
-            ``mu`` and the unconstrained ``rho`` (:math:`\sigma = \operatorname{softplus}(\rho)`)
-            over every site in the model's order, in unconstrained space (a positive site's
+        ("normal", {"vector": v, "loc": mu, "scale": rho}) or None
+            ``v`` is the packed parameter vector ``[2P]``; ``mu = v[:P]`` and the unconstrained
+            ``rho = v[P:]`` (:math:`\sigma = \operatorname{softplus}(\rho)`) are its views over
+            every site in the model's order, in unconstrained space (a positive site's
             coordinates are its logarithm); None when the guide must go through its
             distributions (local reparameterization, or a subclass that changes the family,
             e.g. :class:`~pyrobdl.guides.ScoreFunction`).
         """
         if self.local_reparameterization or type(self).variational_distributions is not MeanField.variational_distributions:
             return None
-        return "normal", {"loc": self.packed("loc"), "scale": self.packed("scale")}
+        v = self.packed("params")
+        half = v.shape[0] // 2
+        return "normal", {"vector": v, "loc": v[:half], "scale": v[half:]}
 
     def variational_distributions(self) -> dict[str, dist.Distribution]:
         out = {}

@@ -121,6 +121,7 @@ class FlatELBO(torch.nn.Module):
         self.analytic_kl = bool(analytic_kl)
         self.kl_weight = 1.0
         self.family, params = guide.flat_family()
+        self._params = params
         self._lj: FlatLogJoint | None = None
         self._data: tuple[torch.Tensor, torch.Tensor] | None = None
         self._check_layout(params)
@@ -137,9 +138,13 @@ class FlatELBO(torch.nn.Module):
             )
 
     def parameters_to_optimize(self) -> list[torch.Tensor]:
-        """The packed vectors the optimizer steps (the guide's per-site parameters are views)."""
-        _, params = self.guide.flat_family()
-        return [params["loc"]] + ([params["scale"]] if "scale" in params else [])
+        """The one packed vector the optimizer steps (the guide's per-site parameters are views).
+
+        Re-reads it from the guide (repairing the packing if something broke it); the steps use
+        the vector returned by the last call.
+        """
+        _, self._params = self.guide.flat_family()
+        return [self._params["vector"]]
 
     def _log_joint(self, x: torch.Tensor, y: torch.Tensor) -> FlatLogJoint:
         if self._lj is None or self._data[0] is not x or self._data[1] is not y:
@@ -160,7 +165,7 @@ class FlatELBO(torch.nn.Module):
         subsample: torch.Tensor | None = None,
         noise: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Negative ELBO (a detached scalar); sets ``.grad`` of :meth:`parameters_to_optimize`.
+        """Negative ELBO (a detached scalar); sets the ``.grad`` of the packed vector.
 
         Parameters
         ----------
@@ -172,23 +177,30 @@ class FlatELBO(torch.nn.Module):
             The standard-normal draws ``[S, P]`` (default: drawn here), for tests that replay
             a Pyro trace.
         """
-        loss, grads = self._loss_and_grads(x, y, subsample, noise)
-        for p, g in zip(self.parameters_to_optimize(), grads):
-            p.grad = g
+        loss, grad = self._loss_and_grads(x, y, subsample, noise)
+        self._params["vector"].grad = grad
         return loss
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, subsample: torch.Tensor | None = None) -> torch.Tensor:
-        """The negative ELBO as a number, without autograd history (train with :meth:`loss_and_grad`)."""
-        return self._loss_and_grads(x, y, subsample, None)[0]
+        """The negative ELBO as a differentiable scalar, like every other loss of the SVI loop.
+
+        ``loss.backward()`` gives the guide's per-site parameters their gradients (the exact
+        gradient computed with the value, handed to autograd); the SVI loop itself calls
+        :meth:`loss_and_grad` and skips autograd altogether.
+        """
+        names = self.guide._packs["params"]
+        sites = [self.guide._parameters[n + "_unconstrained"] for n in names]
+        return _FlatLoss.apply(self, x, y, subsample, *sites)
+
 
     @torch.no_grad()
     def _loss_and_grads(
         self, x: torch.Tensor, y: torch.Tensor, subsample: torch.Tensor | None, noise: torch.Tensor | None
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         lj = self._log_joint(x, y)
         beta = self.kl_weight
         if self.family == "delta":
-            (theta,) = self.parameters_to_optimize()
+            theta = self._params["loc"]
             ll, g = lj.value_and_grad(theta.unsqueeze(0), subsample, prior=False)
             lp, gp = lj.log_prior(theta.unsqueeze(0))
             if lj._learned:  # a Delta guide scores the prior of tau itself: no log-Jacobian u
@@ -197,8 +209,8 @@ class FlatELBO(torch.nn.Module):
                 gp[:, u] -= 1.0
             if beta != 1.0:
                 lp, gp = beta * lp, gp.mul_(beta)
-            return -(ll[0] + lp[0]), (gp[0].add_(g[0]).neg_(),)
-        loc, rho = self.parameters_to_optimize()
+            return -(ll[0] + lp[0]), gp[0].add_(g[0]).neg_()
+        loc, rho = self._params["loc"], self._params["scale"]
         s = self.num_particles
         eps = torch.randn(s, loc.shape[0], dtype=loc.dtype, device=loc.device) if noise is None else noise
         sigma = torch.nn.functional.softplus(rho)
@@ -232,7 +244,30 @@ class FlatELBO(torch.nn.Module):
         if beta != 1.0:
             d_loc.mul_(beta)
             d_sigma.mul_(beta)
-        grad_loc = d_loc.sub_(g_loc)
-        grad_rho = d_sigma.sub_(g_sigma).mul_(torch.sigmoid(rho))
+        grad = torch.empty(2 * loc.shape[0], dtype=loc.dtype, device=loc.device)
+        torch.sub(d_loc, g_loc, out=grad[: loc.shape[0]])
+        torch.mul(d_sigma.sub_(g_sigma), torch.sigmoid(rho), out=grad[loc.shape[0] :])
         loss = (beta * kl - ll).mean() if beta != 1.0 else (kl - ll).mean()
-        return loss, (grad_loc, grad_rho)
+        return loss, grad
+
+
+class _FlatLoss(torch.autograd.Function):
+    """Autograd wrapper of :meth:`FlatELBO._loss_and_grads` over the per-site parameters."""
+
+    @staticmethod
+    def forward(ctx: Any, elbo: FlatELBO, x: torch.Tensor, y: torch.Tensor, subsample: Any, *sites: torch.Tensor) -> torch.Tensor:
+        elbo.parameters_to_optimize()  # the packed vector behind `sites` (repaired if needed)
+        loss, grad = elbo._loss_and_grads(x, y, subsample, None)
+        ctx.shapes = [p.shape for p in sites]
+        ctx.save_for_backward(grad)
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
+        (grad,) = ctx.saved_tensors
+        grads, start = [], 0
+        for shape in ctx.shapes:
+            n = shape.numel()
+            grads.append((grad_output * grad[start : start + n]).view(shape))
+            start += n
+        return (None, None, None, None, *grads)
