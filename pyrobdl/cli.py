@@ -62,8 +62,8 @@ def _parser() -> argparse.ArgumentParser:
                    "split, seed; repeat a key to allow several values); their reference cells are added")
     p.add_argument("--workers", type=int, default=1, metavar="N",
                    help="run N cells at a time in worker processes (default 1: in this process)")
-    p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads per process "
-                   "(default: torch's choice; 1 is fastest for small models on a busy machine)")
+    p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads per fit (default: "
+                   "fit's 'auto': 1 for small networks, else the cores the load leaves idle)")
     p.add_argument("--rerun-invalid", action="store_true", help="set corrupt or stale result files "
                    "aside (renamed *.invalid-<time>) and rerun their cells instead of stopping")
     p.add_argument("--dry-run", action="store_true", help="validate and list the cells and their state; run nothing")
@@ -108,7 +108,10 @@ def _init_worker(threads: int | None) -> None:
     if threads is not None:
         import torch
 
+        from .inference.registry import DEFAULTS
+
         torch.set_num_threads(threads)
+        DEFAULTS["threads"] = threads  # fit's default: this count for every cell
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
@@ -126,6 +129,9 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             _err(f"--threads must be >= 1, got {args.threads}")
             return 2
         torch.set_num_threads(args.threads)
+        from .inference.registry import DEFAULTS
+
+        DEFAULTS["threads"] = args.threads  # fit's default: this count for every cell
     try:
         suite = load_suite(args.suite)
         only = parse_only(args.only)

@@ -251,3 +251,24 @@ def test_forward_is_differentiable_like_the_other_losses(float64):
     (vector,) = fast.parameters_to_optimize()
     per_site = torch.cat([p.grad.reshape(-1) for p in [guide._parameters[n + "_unconstrained"] for n in guide._packs["params"]]])
     assert torch.equal(per_site, vector.grad)
+
+
+# ------------------------------------------------------------------------------- threads
+def test_threads_option_is_used_recorded_and_restored():
+    from pyrobdl.inference.registry import resolve_threads
+
+    model = pyrobdl.BayesianMLP(2, (3,), 1)
+    x, y = torch.randn(20, 2), torch.randn(20)
+    before = torch.get_num_threads()
+    post = pyrobdl.fit(model, x, y, num_steps=3, progress=False)  # default "auto": small -> 1
+    assert post.settings["threads"] == 1
+    assert torch.get_num_threads() == before
+    post = pyrobdl.fit(model, x, y, num_steps=3, progress=False, threads=2)
+    assert post.settings["threads"] == 2 and torch.get_num_threads() == before
+    big = pyrobdl.BayesianMLP(784, (400, 400), 10, likelihood=pyrobdl.likelihoods.Categorical())
+    assert resolve_threads("auto", big, 128) >= 1  # large work: torch's setting capped by idle cores
+    assert resolve_threads("auto", model, 10**6) == 1  # 9e6 multiply-adds: still small
+    assert resolve_threads(None, model, 10) is None
+    for bad in (0, -1, 1.5, True, "many"):
+        with pytest.raises(ValueError, match="threads must be"):
+            pyrobdl.fit(model, x, y, num_steps=3, progress=False, threads=bad)

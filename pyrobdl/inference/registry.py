@@ -8,7 +8,10 @@ options against the registry *before* any work, seeds, moves the model to the de
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import math
+import os
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -23,7 +26,64 @@ from .svi import LoopSettings, run_svi
 __all__ = ["COMMON_OPTIONS", "Method", "fit", "get_method", "methods", "register_method", "register_svi_method"]
 
 #: Options every method takes, handled by :func:`fit` itself.
-COMMON_OPTIONS = ("seed", "device", "progress")
+COMMON_OPTIONS = ("seed", "device", "progress", "threads")
+
+#: Process-wide default of :func:`fit`'s ``threads`` (the command line's ``--threads`` sets it).
+DEFAULTS: dict[str, Any] = {"threads": "auto"}
+
+#: ``threads="auto"`` runs on one thread below this many multiply-adds per gradient
+#: (batch size x the network's weights).  Measured (docs/benchmarks.md, "Threads"): on this
+#: project's 2-core machine under load, two torch threads were 15-23x slower than one for a
+#: 1x50 network and 6-11x slower even for a 2x400 MNIST-sized one (63M multiply-adds per step).
+SMALL_WORK = 10_000_000
+
+
+def resolve_threads(threads: int | str | None, model: Any, batch: int) -> int | None:
+    """The torch thread count :func:`fit` uses, or None to leave the process's setting.
+
+    Parameters
+    ----------
+    threads : int, "auto" or None
+        An int >= 1 is used as given; None leaves torch's setting; ``"auto"`` gives one thread
+        when a gradient costs fewer than :data:`SMALL_WORK` multiply-adds (where thread
+        start-up and, on a busy machine, waiting for a core cost more than they save), else
+        the smaller of torch's setting and the cores the load average leaves idle (at least 1).
+    model : pyrobdl.BayesianMLP
+    batch : int
+        Data points per gradient.
+
+    Raises
+    ------
+    ValueError
+        For anything else, naming the value.
+    """
+    if threads is None:
+        return None
+    if threads == "auto":
+        sizes = (model.in_features, *model.hidden, model.out_features)
+        work = batch * sum(a * b for a, b in zip(sizes[:-1], sizes[1:]))
+        if work < SMALL_WORK:
+            return 1
+        try:
+            idle = (os.cpu_count() or 1) - math.ceil(os.getloadavg()[0])
+        except OSError:
+            idle = torch.get_num_threads()
+        return max(1, min(torch.get_num_threads(), idle))
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads must be an integer >= 1, 'auto' or None, got {threads!r}")
+    return threads
+
+
+@contextlib.contextmanager
+def _num_threads(n: int | None) -> Any:
+    old = torch.get_num_threads()
+    if n is not None and n != old:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != old:
+            torch.set_num_threads(old)
 
 
 @dataclass(frozen=True)
@@ -142,6 +202,7 @@ def fit(
     seed: int = 0,
     device: str | torch.device | None = None,
     progress: bool = True,
+    threads: int | str | None = None,
     **options: Any,
 ) -> Posterior:
     """Approximate the posterior of ``model`` given ``(x, y)`` with a registered method.
@@ -162,6 +223,13 @@ def fit(
         Where to run; default the device of ``x``.  The model and data are moved there.
     progress : bool, default True
         Show a progress bar.
+    threads : int, "auto" or None, optional
+        torch CPU threads during the fit (restored afterwards).  Default
+        ``DEFAULTS["threads"]``, i.e. ``"auto"``: one thread for small networks (below
+        :data:`SMALL_WORK` multiply-adds per gradient: on a busy 2-core machine a 1x50 network
+        measured 15-23x slower with two threads than with one), otherwise torch's setting capped
+        at the cores the load average leaves idle; see :func:`resolve_threads`.  The count used
+        is recorded in the posterior's settings.
     **options
         The method's options (see ``pyrobdl methods``); unknown ones are an error.
 
@@ -204,8 +272,14 @@ def fit(
     x, y = x.to(dev), y.to(dev)
     model.to(dev)
     pyro.set_rng_seed(seed)
-    full.update(seed=seed, device=str(dev))
-    posterior = meth.run(model, x, y, full, progress)
+    if threads is None:
+        threads = DEFAULTS["threads"]
+    batch = full.get("batch_size")
+    batch = batch if isinstance(batch, int) and not isinstance(batch, bool) and batch >= 1 else x.shape[0]
+    n_threads = resolve_threads(threads, model, min(batch, x.shape[0]))
+    with _num_threads(n_threads):
+        full.update(seed=seed, device=str(dev), threads=torch.get_num_threads())
+        posterior = meth.run(model, x, y, full, progress)
     certification = getattr(posterior, "certification", None)
     if certification is not None and not certification.passed:
         warnings.warn(
