@@ -287,6 +287,17 @@ class FlatLogJoint:
             theta[:, self._prec_slice.start] = (g / self._b).log()
         return theta
 
+    def log_prior_and_grad(self, theta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prior part of :meth:`value_and_grad` (with the log-Jacobian of positive sites),
+        ``[K]`` and ``[K, P]``: subtract it to get the log-likelihood and its gradient."""
+        grad = theta * -self._prior_prec
+        logp = (theta * grad).sum(-1).mul(0.5).add(self._prior_const)
+        if self._learned:
+            u = theta[:, self._prec_slice.start]
+            logp = logp + self._gamma_const + self._a * u - self._b * u.exp()
+            grad[:, self._prec_slice.start] = self._a - self._b * u.exp()
+        return logp, grad
+
     # ------------------------------------------------------------------------ the reference
     def log_joint(self, theta: torch.Tensor, idx: torch.Tensor | None = None) -> torch.Tensor:
         """Log joint ``[K]`` written with differentiable torch ops (autograd gives its gradient).

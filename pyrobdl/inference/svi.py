@@ -247,7 +247,9 @@ def run_svi(
     return SVIPosterior(model, guide, method=method, settings=all_settings, cost=cost, history=elbo_history)
 
 
-def _check_finite(history: torch.Tensor, start: int, stop: int) -> None:
+def _check_finite(history: torch.Tensor, start: int, stop: int, label: str = "ELBO") -> None:
+    """Raise FloatingPointError naming the first non-finite step of ``history`` (minus the
+    objective, per step) in ``[start, stop)`` and the last finite value of the objective ``label``."""
     chunk = history[start:stop]
     finite = torch.isfinite(chunk)
     if bool(finite.all()):
@@ -256,7 +258,7 @@ def _check_finite(history: torch.Tensor, start: int, stop: int) -> None:
     good = torch.isfinite(history[:bad]).nonzero()
     if good.numel():
         last = int(good[-1])
-        detail = f"last finite ELBO {-float(history[last]):.6g} at step {last}"
+        detail = f"last finite {label} {-float(history[last]):.6g} at step {last}"
     else:
-        detail = "no finite ELBO before it"
-    raise FloatingPointError(f"ELBO became {-float(history[bad])} at step {bad}; {detail}")
+        detail = f"no finite {label} before it"
+    raise FloatingPointError(f"{label} became {-float(history[bad])} at step {bad}; {detail}")
