@@ -173,7 +173,8 @@ class _Curvature:
 
         total = torch.zeros(self.layout.size, self.layout.size, dtype=torch.float64, device=self.x.device)
         for xb, yb in self.chunks():
-            total -= torch.func.hessian(loglik)(self.theta, xb, yb)
+            # reverse-over-reverse: torch.func.hessian's forward mode warns (torch.jit.script) in torch 2.13
+            total -= torch.func.jacrev(torch.func.jacrev(loglik))(self.theta, xb, yb)
         return total
 
     def layer_inputs(self, xb: torch.Tensor) -> list[torch.Tensor]:
