@@ -188,3 +188,38 @@ def test_improper_prior_is_refused():
     model = pyrobdl.BayesianMLP(2, (3,), 1, prior=pyrobdl.priors.LogUniform())
     with pytest.raises(ValueError, match="improper"):
         pyrobdl.fit(model, torch.randn(8, 2), torch.randn(8), "ensemble", progress=False)
+
+
+# ------------------------------------------------------------------ ensemble-initialised chains
+def test_chees_chains_start_from_ensemble_members(monkeypatch):
+    from pyrobdl.inference import chees, ensemble
+
+    starts, trained = [], []
+    real_init, real_train = chees._Sampler.__init__, ensemble.train_members
+
+    def spy_init(self, lj, theta, *a, **k):
+        starts.append(theta.clone())
+        real_init(self, lj, theta, *a, **k)
+
+    def spy_train(lj, theta, *a, **k):
+        out = real_train(lj, theta, *a, **k)
+        trained.append((theta.clone(), out.theta.clone()))
+        return out
+
+    monkeypatch.setattr(chees._Sampler, "__init__", spy_init)
+    monkeypatch.setattr(ensemble, "train_members", spy_train)
+    x, y = gap_data(20)
+    model = pyrobdl.BayesianMLP(1, (4,), 1, activation="tanh", likelihood=pyrobdl.likelihoods.Gaussian(100.0))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="the chees posterior is not certified", category=UserWarning)
+        post = pyrobdl.fit(model, x, y, "chees", init_strategy="ensemble", map_num_steps=30, num_chains=4,
+                           num_warmup=10, num_samples=10, seed=1, progress=False)
+    [(before, after)] = trained
+    [start] = starts
+    assert torch.equal(start, after) and start.shape == (4, before.shape[1])
+    # nn.Linear-style starts: every weight inside +-1/sqrt(fan_in) (prior draws would not be)
+    assert before.abs().max() <= 1.0
+    assert post.diagnostics["map_chain_gradients"] == 4 * 30
+    assert post.cost.gradient_evaluations >= 4 * 30 + post.diagnostics["leapfrog_steps_warmup"] * 4
