@@ -182,3 +182,24 @@ def test_full_hessian_refuses_a_network_too_large_for_a_dense_matrix():
     model = pyrobdl.BayesianMLP(100, (80,), 1)
     with pytest.raises(ValueError, match="kron"):
         pyrobdl.fit(model, torch.randn(20, 100), torch.randn(20), "laplace", num_steps=2, progress=False)
+
+
+def test_kron_factored_draws_and_dense_fallback_agree(float64):
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(30, 2, generator=g)
+    y = torch.stack([torch.sin(x[:, 0]), x[:, 1]], 1) + 0.1 * torch.randn(30, 2, generator=g)
+
+    def fit(prior):
+        model = pyrobdl.BayesianMLP(2, (3,), 2, activation="tanh", prior=prior,
+                                    likelihood=pyrobdl.likelihoods.Gaussian(20.0))
+        return pyrobdl.fit(model, x, y, "laplace", hessian="kron", num_steps=200, seed=0, progress=False)
+
+    factored = fit(pyrobdl.priors.Gaussian(1.0))
+    assert all(b.kron is not None for b in factored._blocks)
+    for b in factored._blocks:  # draws of unit vectors span exactly the stated covariance (row-major order)
+        r = b.draw(torch.eye(b.index.numel()), 0.7)
+        assert (r.t() @ r - b.covariance(0.7)).abs().max() < 1e-10
+    # a bias prior 1e-9 wider breaks the uniform prior: the dense Kronecker block, same covariance
+    dense = fit(pyrobdl.priors.Gaussian(1.0, bias_scale=1.0 + 1e-9))
+    assert all(b.kron is None for b in dense._blocks)
+    assert (dense.covariance() - factored.covariance()).abs().max() < 1e-6

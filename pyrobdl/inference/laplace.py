@@ -99,21 +99,27 @@ class _Block:
     lam: torch.Tensor
     u: torch.Tensor | None
     tuned: bool
+    #: K-FAC with a uniform prior: the eigenvectors are ``kron(U_G, U_A)``, kept as the two factors
+    kron: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def shift(self, c: float) -> torch.Tensor:
         return self.lam + c if self.tuned else self.lam
 
     def covariance(self, c: float) -> torch.Tensor:
         inv = 1.0 / self.shift(c)
-        if self.u is None:
+        u = torch.kron(*self.kron) if self.kron is not None else self.u
+        if u is None:
             return torch.diag(inv / self.d_sqrt**2)
-        m = self.u / self.d_sqrt.unsqueeze(-1)
+        m = u / self.d_sqrt.unsqueeze(-1)
         return (m * inv) @ m.t()
 
     def draw(self, z: torch.Tensor, c: float) -> torch.Tensor:
         """``z [S, m]`` standard normal -> offsets ``[S, m]``."""
         z = z * self.shift(c).rsqrt()
-        if self.u is not None:
+        if self.kron is not None:  # kron(U_G, U_A) vec(Z) = vec(U_G Z U_A^T), row-major
+            ug, ua = self.kron
+            z = (ug @ z.view(z.shape[0], ug.shape[0], ua.shape[0]) @ ua.t()).reshape(z.shape[0], -1)
+        elif self.u is not None:
             z = z @ self.u.t()
         return z / self.d_sqrt
 
@@ -239,21 +245,37 @@ def _blocks(model: Any, lj: FlatLogJoint, theta: torch.Tensor, options: Mapping[
         idx = _weight_index(layout, range(num_layers - 1, num_layers))
         h = sum(torch.einsum("nop,noq->pq", m, m) for m in (cur.ggn_sqrt(xb, idx) for xb, _ in cur.chunks()))
         pieces.append((idx, h))
-    else:  # kron
+    else:  # kron: one Jacobian pass for every layer's two factors
+        cols = [torch.arange(layout[f"layers.{i}.bias"].start, layout[f"layers.{i}.bias"].stop) for i in range(num_layers)]
+        g: list[Any] = [0.0] * num_layers
+        a: list[Any] = [0.0] * num_layers
+        for xb, _ in cur.chunks():
+            m = cur.ggn_sqrt(xb, torch.cat(cols))  # GGN roots in every layer's pre-activations
+            inputs = cur.layer_inputs(xb)
+            start = 0
+            for i in range(num_layers):
+                mi = m[..., start : start + cols[i].numel()]
+                start += cols[i].numel()
+                g[i] = g[i] + torch.einsum("noi,noj->ij", mi, mi)
+                a[i] = a[i] + inputs[i].t() @ inputs[i]
+        kron_blocks = []
         for i in range(num_layers):
             idx = _kron_index(layout, i)
+            d = prior[idx]
+            if bool((d == d[0]).all()):
+                # a uniform prior keeps the Kronecker structure: eigenvalues are products of the
+                # factors' eigenvalues, eigenvectors kron(U_G, U_A), never formed
+                lam_g, ug = torch.linalg.eigh(g[i])
+                lam_a, ua = torch.linalg.eigh(a[i])
+                lam = torch.outer(lam_g.clamp_min(0.0), lam_a.clamp_min(0.0)).reshape(-1) / (lj.num_data * d[0])
+                kron_blocks.append(_Block(idx, d.sqrt(), lam, None, True, kron=(ug, ua)))
+                continue
             if idx.numel() > MAX_BLOCK:
-                raise ValueError(f"hessian='kron': layer {i} has {idx.numel()} coordinates, above the dense-block "
-                                 f"limit {MAX_BLOCK} of this implementation; use 'diag' or 'last_layer'")
-            bias = torch.arange(layout[f"layers.{i}.bias"].start, layout[f"layers.{i}.bias"].stop)
-            g = a = None
-            for xb, _ in cur.chunks():
-                m = cur.ggn_sqrt(xb, bias)  # GGN root in the layer's pre-activations, [B, O, out]
-                inp = cur.layer_inputs(xb)[i]
-                gi, ai = torch.einsum("noi,noj->ij", m, m), inp.t() @ inp
-                g, a = (gi, ai) if g is None else (g + gi, a + ai)
-            pieces.append((idx, torch.kron(g, a) / lj.num_data))
-    blocks, clipped = [], 0
+                raise ValueError(f"hessian='kron': layer {i} has weight and bias priors of different scales and "
+                                 f"{idx.numel()} coordinates, above the dense-block limit {MAX_BLOCK}; use one prior "
+                                 "scale per layer, 'diag' or 'last_layer'")
+            pieces.append((idx, torch.kron(g[i], a[i]) / lj.num_data))
+    blocks, clipped = ([] if hessian != "kron" else kron_blocks), 0
     for idx, h in pieces:
         block, c = _whiten(h, prior[idx], True, idx)
         blocks.append(block)
