@@ -125,14 +125,15 @@ class _Block:
 
 
 def _whiten(h: torch.Tensor, d: torch.Tensor, tuned: bool, index: torch.Tensor) -> tuple[_Block, int]:
-    """Eigendecompose ``D^{-1/2} H D^{-1/2}``; eigenvalues below 0 (an exact Hessian away from
-    a minimum, round-off of a GGN) are clipped to 0 and counted."""
+    """Eigendecompose ``D^{-1/2} H D^{-1/2}``; eigenvalues below 0 are clipped to 0, and those
+    below ``-1e-9`` times the largest (an exact Hessian away from a minimum, not the round-off
+    of a rank-deficient GGN, e.g. dead ReLU units) are counted."""
     d_sqrt = d.sqrt()
     if h.dim() == 1:
         lam, u = h / d, None
     else:
         lam, u = torch.linalg.eigh(h / d_sqrt.unsqueeze(-1) / d_sqrt)
-    clipped = int((lam < 0).sum())
+    clipped = int((lam < -1e-9 * float(lam.abs().max().clamp_min(1e-300))).sum())
     return _Block(index, d_sqrt, lam.clamp_min(0.0), u, tuned), clipped
 
 
