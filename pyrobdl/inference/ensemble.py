@@ -106,9 +106,26 @@ class _MemberBatches:
 
 
 def init_members(model: Any, lj: FlatLogJoint, num_members: int, init_loc: Any = "linear") -> torch.Tensor:
-    """K independent starting points ``[K, P]`` from :func:`pyrobdl.guides.base.init_values`
-    (``"linear"``: ``nn.Linear``'s uniform, other sites at their prior mean; ``"prior"``: prior
-    draws), packed in the flat layout."""
+    """K independent starting points from :func:`pyrobdl.guides.base.init_values`, packed in the
+    flat layout.
+
+    Parameters
+    ----------
+    model : pyrobdl.BayesianMLP
+        The model.
+    lj : FlatLogJoint
+        Its flat log joint (gives the layout, dtype and device).
+    num_members : int
+        K.
+    init_loc : str or dict, default "linear"
+        ``"linear"``: ``nn.Linear``'s uniform, other sites at their prior mean; ``"prior"``:
+        prior draws; see :func:`~pyrobdl.guides.base.init_values`.  Draws use the global torch RNG.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[K, P]``.
+    """
     sites = model_sites(model)
     rows = [lj.layout.pack(init_values(sites, init_loc)) for _ in range(num_members)]
     return torch.stack(rows).to(dtype=lj.dtype, device=lj.device)

@@ -312,7 +312,24 @@ def log_marginal_likelihood(lj: FlatLogJoint, theta: torch.Tensor, blocks: list[
     r"""Laplace's estimate of :math:`\log p(y \mid x)` at prior multiplier ``c``:
     :math:`\log p(y\mid\theta_*) + \log p_c(\theta_*) + \tfrac m2 \log 2\pi - \tfrac12\log\det(H + cD)`,
     m the coordinates the blocks cover; coordinates outside them (point masses) keep their
-    prior at c = 1, and the noise precision's Gamma prior is not scaled."""
+    prior at c = 1, and the noise precision's Gamma prior is not scaled.
+
+    Parameters
+    ----------
+    lj : FlatLogJoint
+        The model's flat log joint on the training data.
+    theta : torch.Tensor
+        The mode :math:`\theta_*`, ``[P]``.
+    blocks : list
+        The curvature blocks of a :class:`LaplacePosterior` (``posterior._blocks``).
+    c : float
+        Prior precision multiplier.
+
+    Returns
+    -------
+    float
+        The log marginal likelihood estimate (nats).
+    """
     t = theta.unsqueeze(0).to(lj.dtype)
     logp, _ = lj.value_and_grad(t)
     lp, _ = lj.log_prior_and_grad(t)
