@@ -44,12 +44,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--warmup", type=int, nargs="+", default=[25, 50, 100, 150])
+    ap.add_argument("--starts", nargs="+", default=["prior", "ensemble"], choices=["prior", "ensemble"])
     args = ap.parse_args()
     torch.set_num_threads(1)
     data = gap_regression(80, 200, noise_sd=0.1, seed=0)
     print("| start | num_warmup | seed | certified | max function-space R-hat | min bulk ESS | step size | chain-gradients | CPU s |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for init in ("prior", "ensemble"):
+    for init in args.starts:
         for warmup in args.warmup:
             for seed in args.seeds:
                 r = run(init, warmup, seed, data)
