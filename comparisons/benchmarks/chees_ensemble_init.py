@@ -37,7 +37,8 @@ def run(init: str, warmup: int, seed: int, data) -> dict:
     cpu = time.process_time() - cpu
     cert = post.certification
     return {"certified": bool(cert.passed), "rhat": cert.rhat_max, "ess": cert.ess_bulk_min, "cpu_s": cpu,
-            "gradients": post.cost.gradient_evaluations, "step": post.diagnostics["step_size"]}
+            "gradients": post.cost.gradient_evaluations, "step": post.diagnostics["step_size"],
+            "failures": "; ".join(cert.failures)}
 
 
 def main() -> None:
@@ -48,14 +49,14 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     data = gap_regression(80, 200, noise_sd=0.1, seed=0)
-    print("| start | num_warmup | seed | certified | max function-space R-hat | min bulk ESS | step size | chain-gradients | CPU s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| start | num_warmup | seed | certified | max function-space R-hat | min bulk ESS | step size | chain-gradients | CPU s | failures |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for init in args.starts:
         for warmup in args.warmup:
             for seed in args.seeds:
                 r = run(init, warmup, seed, data)
                 print(f"| {init} | {warmup} | {seed} | {r['certified']} | {r['rhat']:.3f} | {r['ess']:.0f} | "
-                      f"{r['step']:.3g} | {r['gradients']} | {r['cpu_s']:.1f} |", flush=True)
+                      f"{r['step']:.3g} | {r['gradients']} | {r['cpu_s']:.1f} | {r['failures']} |", flush=True)
 
 
 if __name__ == "__main__":
