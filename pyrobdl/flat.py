@@ -262,9 +262,18 @@ class FlatLogJoint:
         return out
 
     def _data(self, idx: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, float]:
+        # idx [B]: one minibatch for every row of theta; idx [K, B]: row k's own minibatch
+        # (x[idx] is then [K, B, in], y[idx] [K, B, ...])
         if idx is None:
             return self.x, self.y, 1.0
-        return self.x[idx], self.y[idx], self.num_data / idx.shape[0]
+        return self.x[idx], self.y[idx], self.num_data / idx.shape[-1]
+
+    def _check_idx(self, idx: torch.Tensor | None, k: int) -> None:
+        if idx is None:
+            return
+        if idx.dim() not in (1, 2) or (idx.dim() == 2 and idx.shape[0] != k):
+            raise ValueError(f"idx must have shape [B] or [K={k}, B] (one minibatch per row of theta), "
+                             f"got {list(idx.shape)}")
 
     def sample_prior(self, num: int, *, generator: torch.Generator | None = None) -> torch.Tensor:
         """``num`` independent draws from the prior, flat and unconstrained, ``[num, P]``."""
@@ -285,6 +294,7 @@ class FlatLogJoint:
         The slow, obviously-correct twin of :meth:`value_and_grad` (``prior=False``: the
         scaled log-likelihood alone); use it for testing or when a second derivative is needed.
         """
+        self._check_idx(idx, theta.shape[0])
         x, y, scale = self._data(idx)
         params = self.layout.unpack(theta, constrained=False)
         logp = theta.new_zeros(theta.shape[0])
@@ -306,7 +316,7 @@ class FlatLogJoint:
         term; also returns what the backward pass needs."""
         if self.task == "classification":
             logz = torch.logsumexp(f, -1)  # [K, B]
-            picked = f.gather(-1, y.view(1, -1, 1).expand(f.shape[0], -1, 1)).squeeze(-1)
+            picked = f.gather(-1, y.view(-1 if y.dim() == 2 else 1, y.shape[-1], 1).expand(f.shape[0], -1, 1)).squeeze(-1)
             return (picked - logz).sum(-1), logz
         r = y - f  # [K, B, O]
         sq = (r * r).sum((-1, -2))  # [K]
@@ -329,6 +339,8 @@ class FlatLogJoint:
             ``[K, P]`` (or ``[P]``, then the outputs have no leading dim).
         idx : torch.Tensor, optional
             Minibatch indices into the training data; the likelihood is scaled by N/B.
+            ``[B]``: the same minibatch for every row of ``theta``; ``[K, B]``: row k's own
+            minibatch (ensemble members each with their own data order).
         prior : bool, default True
             Include the log prior (:meth:`log_prior`); False gives the (scaled) log-likelihood
             alone, which variational objectives combine with their own KL terms.
@@ -344,11 +356,11 @@ class FlatLogJoint:
         if theta.dim() != 2 or theta.shape[1] != self.size:
             raise ValueError(f"theta must have shape [K, {self.size}], got {list(theta.shape)}")
         k = theta.shape[0]
+        self._check_idx(idx, k)
         if self.chunk_size is not None and k > self.chunk_size:
-            parts = [
-                self._value_and_grad(theta[i : i + self.chunk_size], idx, prior)
-                for i in range(0, k, self.chunk_size)
-            ]
+            c = self.chunk_size
+            rows = (lambda i: idx[i : i + c]) if idx is not None and idx.dim() == 2 else (lambda i: idx)
+            parts = [self._value_and_grad(theta[i : i + c], rows(i), prior) for i in range(0, k, c)]
             return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
         return self._value_and_grad(theta, idx, prior)
 
@@ -379,9 +391,10 @@ class FlatLogJoint:
         # layer's weights, and tanh'(a) = 4 s (1 - s).
         if idx is None:
             x1, y, scale = self._x1, self.y, 1.0
-        else:
-            x1, y, scale = self._x1[idx], self.y[idx], self.num_data / idx.shape[0]
-        k, b = theta.shape[0], x1.shape[0]
+        else:  # idx [B], or [K, B]: each row of theta on its own minibatch
+            x1, y, scale = self._x1[idx], self.y[idx], self.num_data / idx.shape[-1]
+        per_row = x1.dim() == 3  # [K, B, in+1]
+        k, b = theta.shape[0], x1.shape[-2]
         tanh = self._act == "tanh"
         if prior:
             grad = theta * -self._prior_prec  # d/dtheta of the Gaussian prior
@@ -397,7 +410,10 @@ class FlatLogJoint:
         w0aug = torch.cat([w0, b0.unsqueeze(-1)], -1)  # [K, H, in+1]
         if c0 != 1.0:
             w0aug = c0 * w0aug
-        a0 = (x1 @ w0aug.reshape(-1, x1.shape[1]).t()).view(b, k, -1)  # [B, K, H]
+        if per_row:
+            a0 = torch.bmm(x1, w0aug.transpose(1, 2)).transpose(0, 1)  # [B, K, H]
+        else:
+            a0 = (x1 @ w0aug.reshape(-1, x1.shape[1]).t()).view(b, k, -1)  # [B, K, H]
         zs = []  # per hidden layer: relu(a) or sigmoid(2a), [B, K, H] (possibly strided)
         a = a0
         for j in range(1, last + 1):
@@ -422,7 +438,7 @@ class FlatLogJoint:
         # ---- dlogp/df
         if self.task == "classification":
             gf = -torch.softmax(f, -1)
-            gf.scatter_add_(-1, y.view(1, -1, 1).expand(k, -1, 1), torch.ones_like(gf[..., :1]))
+            gf.scatter_add_(-1, y.view(-1 if per_row else 1, b, 1).expand(k, -1, 1), torch.ones_like(gf[..., :1]))
             if scale != 1.0:
                 gf *= scale
         else:
@@ -471,7 +487,10 @@ class FlatLogJoint:
         if last == 0:
             g = g.transpose(0, 1)  # [B, K, O]
         h0 = g.shape[-1]
-        r0 = (x1.t() @ g.reshape(b, k * h0)).view(x1.shape[1], k, h0).permute(1, 2, 0)  # [K, H0, in+1]
+        if per_row:
+            r0 = torch.bmm(g.transpose(0, 1).transpose(1, 2), x1)  # [K, H0, in+1]
+        else:
+            r0 = (x1.t() @ g.reshape(b, k * h0)).view(x1.shape[1], k, h0).permute(1, 2, 0)  # [K, H0, in+1]
         if factor is not None:
             r0 = r0 * factor
         wsl, bsl = self.layout["layers.0.weight"], self.layout["layers.0.bias"]

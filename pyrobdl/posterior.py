@@ -246,9 +246,13 @@ def pseudo_chain_count(num_samples: int) -> int:
     return next((c for c in (4, 2) if num_samples % c == 0 and num_samples // c >= 4), 1)
 
 
-def predictive_from_draws(model: Any, draws: Mapping[str, torch.Tensor], x: torch.Tensor) -> Prediction:
-    """Build a :class:`Prediction` from joint weight draws (leading sample dim) at inputs ``x``."""
-    f = model.network(draws, x)
+def predictive_from_draws(
+    model: Any, draws: Mapping[str, torch.Tensor], x: torch.Tensor, f: torch.Tensor | None = None
+) -> Prediction:
+    """Build a :class:`Prediction` from joint weight draws (leading sample dim) at inputs ``x``;
+    ``f`` ``[S, N, out]`` replaces the network's outputs at the draws when given (e.g. a
+    linearised network)."""
+    f = model.network(draws, x) if f is None else f
     lik = model.likelihood
     if lik.task == "classification":
         probs = torch.softmax(f, dim=-1)

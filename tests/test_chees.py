@@ -397,7 +397,7 @@ def test_cap_during_warm_up_bounds_the_trajectory():
         ({"target_accept_prob": 1.0}, ValueError, r"target_accept_prob must be in \(0, 1\)"),
         ({"target_accept_prob": 0}, ValueError, r"target_accept_prob"),
         ({"jitter": "x"}, ValueError, r"unknown jitter 'x'; valid: \['halton', 'uniform', 'none'\]"),
-        ({"init_strategy": "x"}, ValueError, r"unknown init_strategy 'x'; valid: \['prior', 'map'\]"),
+        ({"init_strategy": "x"}, ValueError, r"unknown init_strategy 'x'; valid: \['prior', 'map', 'ensemble'\]"),
         ({"chunk_size": 0}, ValueError, r"chunk_size must be an integer >= 1"),
         ({"chunk_size": "x"}, ValueError, r"chunk_size"),
         ({"step_size": -1}, ValueError, r"step_size must be a finite number > 0 or None"),

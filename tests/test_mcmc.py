@@ -248,7 +248,7 @@ def test_improper_prior_raises_before_running(monkeypatch):
 @pytest.mark.parametrize(
     "method, options, match",
     [
-        ("nuts", {"init_strategy": "uniform"}, r"init_strategy.*valid: \['median', 'sample', 'map'\]"),
+        ("nuts", {"init_strategy": "uniform"}, r"init_strategy.*valid: \['median', 'sample', 'map', 'ensemble'\]"),
         ("nuts", {"potential": "jax"}, "potential"),
         ("nuts", {"potential": "direct", "jit_compile": True}, "jit_compile"),
         ("nuts", {"num_chains": 0}, "num_chains"),
@@ -367,6 +367,31 @@ def test_map_init_goes_through_the_registry():
     d = posterior.diagnostics
     assert d["map_gradient_evaluations"] == 2 * 30  # one MAP fit per chain, one particle per step
     assert posterior.cost.gradient_evaluations == posterior.trace.num_steps.sum() + 60
+
+
+def test_ensemble_init_starts_each_chain_at_its_member(monkeypatch):
+    from pyrobdl.inference import mcmc
+
+    given, real = [], mcmc._init_strategy
+
+    def spy(*args, **kwargs):
+        given.append(args[5] if len(args) > 5 else kwargs.get("member"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mcmc, "_init_strategy", spy)
+    x, y = small_data()
+    with uncertified(), depth_saturated():
+        posterior = pyrobdl.fit(small_mlp(), x, y, method="nuts", num_chains=2, max_tree_depth=3,
+                                init_strategy="ensemble", map_num_steps=30, seed=0, **TINY)
+    ens = pyrobdl.fit(small_mlp(), x, y, method="ensemble", num_members=2, num_steps=30, seed=0, progress=False)
+    d = posterior.diagnostics
+    assert d["map_gradient_evaluations"] == 2 * 30  # one batched ensemble of 2 members
+    assert posterior.cost.gradient_evaluations == posterior.trace.num_steps.sum() + 60
+    # chain c starts at member c of the (seeded, hence reproducible) ensemble
+    assert len(given) == 2
+    for c, member in enumerate(given):
+        for name, value in ens.members.items():
+            assert torch.equal(member[name], value[c])
 
 
 @pytest.mark.parametrize("init", ["median", "sample"])

@@ -1,7 +1,9 @@
-"""Inference: the SVI loop, its ELBO estimators, the method registry and ``fit``."""
+"""Inference: the SVI loop, its ELBO estimators, MCMC, ensembles, Laplace, the method registry and ``fit``."""
 
 from . import builtin  # noqa: F401  (registers the built-in methods)
 from .elbo import DirectELBO, PyroELBO, make_elbo
+from .ensemble import EnsemblePosterior, train_members
+from .laplace import LaplacePosterior
 from .mcmc import MCMCPosterior, SamplerTrace
 from .reference import Reference, load_reference, run_reference
 from .registry import Method, fit, get_method, methods, register_method, register_svi_method
@@ -9,6 +11,8 @@ from .svi import LoopSettings, run_svi
 
 __all__ = [
     "DirectELBO",
+    "EnsemblePosterior",
+    "LaplacePosterior",
     "LoopSettings",
     "MCMCPosterior",
     "Method",
@@ -24,4 +28,5 @@ __all__ = [
     "register_svi_method",
     "run_reference",
     "run_svi",
+    "train_members",
 ]

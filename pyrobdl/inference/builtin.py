@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 
 from ..guides import MAP, Dropout, MeanField, ScoreFunction, VariationalDropout
-from . import chees, mcmc  # noqa: F401  (register "chees", "nuts" and "hmc")
+from . import chees, ensemble, laplace, mcmc  # noqa: F401  (register "chees", "ensemble", "laplace", "nuts", "hmc")
 from .registry import register_svi_method, require_proper_prior
 
 register_svi_method(

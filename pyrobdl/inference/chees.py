@@ -51,7 +51,7 @@ from .svi import _peak_memory
 __all__ = ["CHEES_OPTIONS", "INIT_STRATEGIES", "JITTERS", "halton", "run_chees"]
 
 #: Starting points of the chains.
-INIT_STRATEGIES = ("prior", "map")
+INIT_STRATEGIES = ("prior", "map", "ensemble")
 #: How each iteration's trajectory length is jittered.
 JITTERS = ("halton", "uniform", "none")
 
@@ -390,6 +390,14 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
     map_grads = 0
     if options["init_strategy"] == "map":
         theta = _map_init(lj, theta, options["map_num_steps"], options["map_lr"])
+        map_grads = k * options["map_num_steps"]
+    elif options["init_strategy"] == "ensemble":
+        # a deep ensemble of K members (nn.Linear-style starts, the ensemble's trainer), one per chain
+        from .ensemble import init_members, train_members
+        from .svi import LoopSettings
+
+        members = init_members(model, lj, k, "linear")
+        theta = train_members(lj, members, LoopSettings(num_steps=options["map_num_steps"], lr=options["map_lr"])).theta
         map_grads = k * options["map_num_steps"]
     sampler = _Sampler(lj, theta, gen, float(options["divergence_threshold"]))
     target, cap = float(options["target_accept_prob"]), int(options["max_num_steps"])

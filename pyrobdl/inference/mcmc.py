@@ -41,7 +41,7 @@ from .svi import _peak_memory
 __all__ = ["INIT_STRATEGIES", "POTENTIALS", "MCMCPosterior", "SamplerTrace", "chain_seeds", "run_mcmc"]
 
 #: How each chain's starting point is chosen.
-INIT_STRATEGIES = ("median", "sample", "map")
+INIT_STRATEGIES = ("median", "sample", "map", "ensemble")
 #: How the potential energy (minus the log joint) is evaluated.
 POTENTIALS = ("trace", "direct")
 
@@ -263,6 +263,7 @@ def _check_options(options: Mapping[str, Any]) -> None:
             raise TypeError(f"{name} must be True or False, got {options[name]!r}")
     if options["init_strategy"] not in INIT_STRATEGIES:
         raise ValueError(f"unknown init_strategy {options['init_strategy']!r}; valid: {list(INIT_STRATEGIES)}")
+
     if options["potential"] not in POTENTIALS:
         raise ValueError(f"unknown potential {options['potential']!r}; valid: {list(POTENTIALS)}")
     if options["jit_compile"] and options["potential"] != "trace":
@@ -285,6 +286,10 @@ def _check_options(options: Mapping[str, Any]) -> None:
 def _check_model(model: Any, options: Mapping[str, Any]) -> None:
     require_proper_prior(model, options)
     _check_options(options)
+    if options["init_strategy"] == "ensemble":  # trained on the flat log joint: refuse what it cannot do
+        from ..flat import _check_supported
+
+        _check_supported(model)
 
 
 # --------------------------------------------------------------------------------- potential
@@ -328,8 +333,11 @@ def _check_direct(direct: Callable, traced: Callable, z: Mapping[str, torch.Tens
 
 
 # ----------------------------------------------------------------------------------- running
-def _init_strategy(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str, Any], seed: int):
+def _init_strategy(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str, Any], seed: int,
+                   member: Mapping[str, torch.Tensor] | None = None):
     name = options["init_strategy"]
+    if name == "ensemble":  # this chain's member of the ensemble trained before the chains
+        return init_to_value(values=dict(member)), 0
     if name == "median":
         return init_to_median, 0
     if name == "sample":
@@ -391,9 +399,17 @@ def run_mcmc(
     )
     potential = _direct_potential(model, x, y, transforms) if options["potential"] == "direct" else traced
     samples, rows, accept_rates, other_grads, map_grads = [], [], [], [], 0
+    members = None
+    if options["init_strategy"] == "ensemble":
+        # one batched deep ensemble (docs/methods/ensemble.md), one member per chain
+        ens = fit(model, x, y, method="ensemble", num_members=options["num_chains"], seed=options["seed"],
+                  progress=False, num_steps=options["map_num_steps"], lr=options["map_lr"])
+        members = ens.members
+        map_grads += ens.cost.gradient_evaluations
     for chain, seed in enumerate(chain_seeds(options["seed"], options["num_chains"])):
         pyro.set_rng_seed(seed)
-        strategy, grads = _init_strategy(model, x, y, options, seed)
+        member = None if members is None else {k: v[chain] for k, v in members.items()}
+        strategy, grads = _init_strategy(model, x, y, options, seed, member)
         map_grads += grads
         init, plain, _, _ = initialize_model(model, (x, y), init_strategy=strategy)
         if options["potential"] == "direct":

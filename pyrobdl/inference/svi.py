@@ -303,23 +303,31 @@ def run_svi(
 
 
 def _check_finite(
-    history: torch.Tensor, start: int, stop: int, params: list[torch.Tensor], snapshot: list[torch.Tensor]
+    history: torch.Tensor,
+    start: int,
+    stop: int,
+    params: list[torch.Tensor] | None = None,
+    snapshot: list[torch.Tensor] | None = None,
+    label: str = "ELBO",
 ) -> None:
-    """Raise FloatingPointError if a loss in ``history[start:stop]`` is not finite, after
-    restoring ``params`` from ``snapshot``; otherwise refresh the snapshot."""
+    """Raise FloatingPointError naming the first non-finite step of ``history`` (minus the
+    objective, per step) in ``[start, stop)`` and the last finite value of the objective
+    ``label``, after restoring ``params`` from ``snapshot``; otherwise refresh the snapshot."""
     chunk = history[start:stop]
     finite = torch.isfinite(chunk)
     if bool(finite.all()):
-        with torch.no_grad():
-            torch._foreach_copy_(snapshot, params)
+        if snapshot is not None:
+            with torch.no_grad():
+                torch._foreach_copy_(snapshot, params)
         return
-    with torch.no_grad():
-        torch._foreach_copy_(params, snapshot)
+    if snapshot is not None:
+        with torch.no_grad():
+            torch._foreach_copy_(params, snapshot)
     bad = start + int((~finite).nonzero()[0])
     good = torch.isfinite(history[:bad]).nonzero()
     if good.numel():
         last = int(good[-1])
-        detail = f"last finite ELBO {-float(history[last]):.6g} at step {last}"
+        detail = f"last finite {label} {-float(history[last]):.6g} at step {last}"
     else:
-        detail = "no finite ELBO before it"
-    raise FloatingPointError(f"ELBO became {-float(history[bad])} at step {bad}; {detail}")
+        detail = f"no finite {label} before it"
+    raise FloatingPointError(f"{label} became {-float(history[bad])} at step {bad}; {detail}")

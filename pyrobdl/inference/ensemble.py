@@ -1,0 +1,303 @@
+r"""Deep ensembles: K MAP (or maximum-likelihood) networks trained together as one batched model.
+
+``fit(model, x, y, method="ensemble", num_members=5, ...)`` packs the K members' weights in one
+``[K, P]`` tensor of the flat layout (:mod:`pyrobdl.flat`) and maximises, for every member at
+once,
+
+.. math::
+
+    \log p(\theta_k) + \frac{N}{B} \sum_{n \in \mathcal B_k} \log p(y_n \mid x_n, \theta_k)
+    \qquad (\text{or only the likelihood term with } ``prior=False``),
+
+with one call of :meth:`~pyrobdl.flat.FlatLogJoint.value_and_grad` per step.  Each member has
+its own initialisation (``init_loc``, ``nn.Linear``-style by default) and its own minibatch
+order :math:`\mathcal B_k` (``idx [K, B]``); Adam is elementwise, so one Adam over the ``[K, P]``
+tensor is K independent Adams.  The posterior is the equal-weight mixture of the members
+(Lakshminarayanan, Pritzel & Blundell 2017, without their adversarial training and with the
+model's own homoscedastic likelihood).
+
+The optimisation re-uses the SVI loop's options and semantics (:mod:`pyrobdl.inference.svi`):
+``num_steps``, ``lr``, ``batch_size``, ``lr_schedule``, ``average_last`` mean the same, the
+optimiser and schedule are built the same way, and a non-finite objective stops the run with an
+error naming the step and the last finite value.  :func:`train_members` is also the MAP fit of
+``"laplace"`` and the ensemble initialisation of ``"chees"``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from ..flat import FlatLogJoint, _check_supported
+from ..guides.base import init_values, model_sites
+from ..posterior import Cost, Posterior
+from .registry import Method, register_method, require_proper_prior
+from .svi import LR_SCHEDULES, LoopSettings, PackedAdam, _check_finite, _peak_memory
+
+__all__ = ["ENSEMBLE_OPTIONS", "EnsemblePosterior", "MemberTraining", "init_members", "run_ensemble", "train_members"]
+
+#: The SVI loop's options that mean something for a point estimate (no particles, KL or ELBO).
+LOOP_OPTIONS = ("num_steps", "lr", "batch_size", "lr_schedule", "average_last")
+
+ENSEMBLE_OPTIONS: dict[str, Any] = {
+    "num_members": 5,
+    "prior": True,
+    "init_loc": "linear",
+    **{k: getattr(LoopSettings(), k) for k in LOOP_OPTIONS},
+    "chunk_size": None,
+}
+
+
+def loop_settings(options: Mapping[str, Any], num_data: int) -> LoopSettings:
+    """The :class:`LoopSettings` of ``options`` (validated): the loop options named in
+    :data:`LOOP_OPTIONS`, the others at their defaults."""
+    settings = LoopSettings(**{k: options[k] for k in LOOP_OPTIONS})
+    settings.validate(num_data)
+    return settings
+
+
+@dataclass(frozen=True)
+class MemberTraining:
+    """What :func:`train_members` returns.
+
+    Attributes
+    ----------
+    theta : torch.Tensor
+        The trained members, flat and unconstrained, ``[K, P]`` (averaged over the last
+        ``average_last`` fraction of steps when that is > 0).
+    history : numpy.ndarray
+        The objective (log joint, or log-likelihood with ``prior=False``; minibatch estimates)
+        of every member at every step, ``[num_steps, K]``.
+    gradient_evaluations : int
+        Member-gradients evaluated: ``num_steps * K``.
+    epochs : float
+        Full-data-equivalent passes over all members: ``num_steps * K * B / N``.
+    """
+
+    theta: torch.Tensor
+    history: np.ndarray
+    gradient_evaluations: int
+    epochs: float
+
+
+class _MemberBatches:
+    """Shuffled epochs of minibatch indices, one independent order per member, ``[K, B]``."""
+
+    def __init__(self, num_members: int, num_data: int, batch_size: int, device: torch.device) -> None:
+        self.k, self.n, self.b, self.device = num_members, num_data, batch_size, device
+        self._perm = torch.empty(num_members, 0, dtype=torch.long, device=device)
+        self._pos = 0
+
+    def next(self) -> torch.Tensor | None:
+        if self.b >= self.n:
+            return None
+        if self._pos + self.b > self._perm.shape[1]:
+            # K independent permutations (global torch RNG, like the SVI loop's batches)
+            self._perm = torch.rand(self.k, self.n, device=self.device).argsort(1)
+            self._pos = 0
+        idx = self._perm[:, self._pos : self._pos + self.b]
+        self._pos += self.b
+        return idx
+
+
+def init_members(model: Any, lj: FlatLogJoint, num_members: int, init_loc: Any = "linear") -> torch.Tensor:
+    """K independent starting points from :func:`pyrobdl.guides.base.init_values`, packed in the
+    flat layout.
+
+    Parameters
+    ----------
+    model : pyrobdl.BayesianMLP
+        The model.
+    lj : FlatLogJoint
+        Its flat log joint (gives the layout, dtype and device).
+    num_members : int
+        K.
+    init_loc : str or dict, default "linear"
+        ``"linear"``: ``nn.Linear``'s uniform, other sites at their prior mean; ``"prior"``:
+        prior draws; see :func:`~pyrobdl.guides.base.init_values`.  Draws use the global torch RNG.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[K, P]``.
+    """
+    sites = model_sites(model)
+    rows = [lj.layout.pack(init_values(sites, init_loc)) for _ in range(num_members)]
+    return torch.stack(rows).to(dtype=lj.dtype, device=lj.device)
+
+
+def train_members(
+    lj: FlatLogJoint,
+    theta: torch.Tensor,
+    settings: LoopSettings,
+    *,
+    prior: bool = True,
+    progress: bool = False,
+    desc: str = "ensemble",
+) -> MemberTraining:
+    """Maximise the log joint (``prior=True``) or the log-likelihood of K members at once.
+
+    Parameters
+    ----------
+    lj : FlatLogJoint
+        The model's flat log joint on the training data.
+    theta : torch.Tensor
+        Starting points ``[K, P]`` (not modified).
+    settings : LoopSettings
+        ``num_steps``, ``lr``, ``batch_size``, ``lr_schedule`` and ``average_last`` are used,
+        with the SVI loop's meaning; the others are ignored.
+    prior : bool, default True
+        MAP (log joint) or maximum likelihood.
+    progress : bool, default False
+        Show a progress bar.
+    desc : str
+        Its label.
+
+    Returns
+    -------
+    MemberTraining
+
+    Raises
+    ------
+    FloatingPointError
+        When a member's objective becomes NaN or infinite; the message names the step and the
+        last finite value of the members' summed objective (checked before the step is applied
+        on CPU, every 100 steps on CUDA, as in the SVI loop).
+    """
+    k, device = theta.shape[0], theta.device
+    steps = settings.num_steps
+    param = torch.nn.Parameter(theta.detach().clone())
+    optimizer = PackedAdam([param], settings.lr)
+    schedule = None if settings.lr_schedule == "constant" else LR_SCHEDULES[settings.lr_schedule]
+    batch = settings.effective_batch(lj.num_data)
+    batches = _MemberBatches(k, lj.num_data, batch, device)
+    average_from = steps - int(round(settings.average_last * steps)) if settings.average_last > 0 else steps
+    averaged = param.detach().clone() if average_from < steps else None
+    history = torch.empty(steps, k, dtype=theta.dtype, device=device)
+    loss = torch.empty(steps, dtype=theta.dtype, device=device)  # minus the members' summed objective
+    check_every = 1 if device.type == "cpu" else 100
+    checked = 0
+    label = "log joint" if prior else "log-likelihood"
+    bar = tqdm(range(steps), desc=desc, disable=not progress, mininterval=0.5, leave=False)
+    for step in bar:
+        with torch.no_grad():
+            value, grad = lj.value_and_grad(param.detach(), batches.next(), prior=prior)
+        history[step] = value
+        loss[step] = -value.sum()
+        if step + 1 - checked >= check_every:
+            _check_finite(loss, checked, step + 1, label=label)
+            checked = step + 1
+        param.grad = grad.neg_()
+        if schedule is not None:
+            optimizer.param_groups[0]["lr"] = settings.lr * schedule(min(step / max(steps - 1, 1), 1.0))
+        optimizer.step()
+        if averaged is not None and step >= average_from:
+            with torch.no_grad():
+                averaged.lerp_(param, 1.0 / (step - average_from + 1))
+        if progress and step % 200 == 0:
+            bar.set_postfix({label: f"{float(value.mean()):.4g}"}, refresh=False)
+    _check_finite(loss, checked, steps, label=label)
+    final = (averaged if averaged is not None else param).detach().clone()
+    return MemberTraining(final, history.double().cpu().numpy(), steps * k, steps * k * batch / lj.num_data)
+
+
+class EnsemblePosterior(Posterior):
+    """The equal-weight mixture of K point estimates.
+
+    :meth:`sample` cycles through the members in order: draw ``i`` is member ``i mod K``, so
+    ``num_samples = K`` returns every member once, in order.
+
+    Attributes
+    ----------
+    theta : torch.Tensor
+        The members, flat and unconstrained, ``[K, P]``.
+    layout : pyrobdl.flat.FlatLayout
+        Their packing.
+    """
+
+    def __init__(self, model: Any, theta: torch.Tensor, layout: Any, **kwargs: Any) -> None:
+        super().__init__(model, **kwargs)
+        self.theta = theta
+        self.layout = layout
+
+    @property
+    def num_members(self) -> int:
+        """K."""
+        return self.theta.shape[0]
+
+    @property
+    def members(self) -> dict[str, torch.Tensor]:
+        """Every member's sites, ``{site: [K, *shape]}`` (constrained)."""
+        return self.layout.unpack(self.theta)
+
+    def _draw(self, num_samples: int) -> dict[str, torch.Tensor]:
+        order = torch.arange(num_samples, device=self.theta.device) % self.num_members
+        return self.layout.unpack(self.theta[order])
+
+
+def _check_options(model: Any, options: Mapping[str, Any]) -> None:
+    if options["prior"] not in (True, False):
+        raise TypeError(f"prior must be True or False, got {options['prior']!r}")
+    require_proper_prior(model, options)
+    _check_supported(model)
+    k = options["num_members"]
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"num_members must be an integer >= 1, got {k!r}")
+    c = options["chunk_size"]
+    if c is not None and c != "auto" and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
+        raise ValueError(f"chunk_size must be an integer >= 1, 'auto' or None, got {c!r}")
+    loop_settings(options, 1)
+
+
+def run_ensemble(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str, Any], progress: bool) -> Posterior:
+    """Train ``num_members`` networks as one batched model (``fit``'s ``run`` for ``"ensemble"``).
+
+    Parameters
+    ----------
+    model : pyrobdl.BayesianMLP
+        The model, on the data's device.
+    x, y : torch.Tensor
+        Validated training data.
+    options : Mapping
+        Every option of :data:`ENSEMBLE_OPTIONS`, plus ``seed`` and ``device``.
+    progress : bool
+        Show a progress bar.
+
+    Returns
+    -------
+    EnsemblePosterior
+        ``history`` is the members' mean objective per step; ``diagnostics`` holds each
+        member's final objective (minibatch estimate) and ``num_members``.
+    """
+    device = x.device
+    settings = loop_settings(options, x.shape[0])
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    start, cpu_start = time.perf_counter(), time.process_time()
+    lj = FlatLogJoint(model, x, y, chunk_size=options["chunk_size"])
+    theta0 = init_members(model, lj, options["num_members"], options["init_loc"])
+    trained = train_members(lj, theta0, settings, prior=options["prior"], progress=progress)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    cost = Cost(wall_time_s=wall, gradient_evaluations=trained.gradient_evaluations, epochs=trained.epochs,
+                peak_memory_bytes=_peak_memory(device), device=str(device), cpu_time_s=cpu)
+    diagnostics = {
+        "num_members": options["num_members"],
+        "final_objective": [float(v) for v in trained.history[-1]],
+        "objective": "log joint" if options["prior"] else "log-likelihood",
+    }
+    return EnsemblePosterior(model, trained.theta, lj.layout, method="ensemble", settings=dict(options), cost=cost,
+                             history=trained.history.mean(1), diagnostics=diagnostics)
+
+
+register_method(Method(
+    "ensemble", ENSEMBLE_OPTIONS, run_ensemble,
+    "Deep ensemble: K MAP (or maximum-likelihood) networks trained as one batched model (Lakshminarayanan et al. 2017)",
+    check_model=_check_options,
+))
