@@ -441,10 +441,10 @@ def _parse_datasets(
             s = table["splits"]
             if s == "all":
                 splits = "all"
-            elif isinstance(s, list) and s and all(_is_int(v) and v >= 0 for v in s):
+            elif isinstance(s, list) and s and all(_is_int(v) and 0 <= v < 2**32 for v in s):
                 splits = tuple(s)
             else:
-                errors.add(f"{where}.splits", f'must be a non-empty list of integers >= 0 or "all", got {s!r}')
+                errors.add(f"{where}.splits", f'must be a non-empty list of integers in 0..2**32-1 or "all", got {s!r}')
         if splits == "all" and source.num_splits is None:
             errors.add(f"{where}.splits", f'"all" needs a source with fixed splits; {source_name!r} has none')
         ds_methods = _str_list(errors, f"{where}.methods", table.get("methods", labels))
@@ -518,8 +518,8 @@ def parse_suite(raw: Mapping[str, Any], path: str | Path = "<suite>") -> Suite:
         suite = {}
     errors.unknown("suite", suite, SUITE_KEYS)
     seeds = suite.get("seeds", [0])
-    if not isinstance(seeds, list) or not seeds or not all(_is_int(s) and s >= 0 for s in seeds):
-        errors.add("suite.seeds", f"must be a non-empty list of integers >= 0, got {seeds!r}")
+    if not isinstance(seeds, list) or not seeds or not all(_is_int(s) and 0 <= s < 2**32 for s in seeds):
+        errors.add("suite.seeds", f"must be a non-empty list of integers in 0..2**32-1, got {seeds!r}")
         seeds = [0]
     if len(set(seeds)) != len(seeds):
         errors.add("suite.seeds", f"has duplicates: {seeds!r}")

@@ -156,10 +156,11 @@ def parse_only(text: str | None) -> dict[str, set[str]]:
     Raises
     ------
     ValueError
-        For an entry without ``=`` or an unknown key (listing :data:`FILTER_KEYS`).
+        For an entry without ``=``, an unknown key (listing :data:`FILTER_KEYS`), or a text with
+        no entry at all (``","``): an empty filter is not "everything".
     """
     only: dict[str, set[str]] = {}
-    if not text:
+    if text is None:
         return only
     for part in text.split(","):
         part = part.strip()
@@ -172,6 +173,8 @@ def parse_only(text: str | None) -> dict[str, set[str]]:
         if key not in FILTER_KEYS:
             raise ValueError(f"--only: unknown key {key!r}; valid keys: {list(FILTER_KEYS)}")
         only.setdefault(key, set()).add(value)
+    if not only:
+        raise ValueError(f"--only: no key=value entries in {text[:80]!r}; valid keys: {list(FILTER_KEYS)}")
     return only
 
 
