@@ -466,3 +466,154 @@ def test_manifest_lists_the_whole_grid_even_with_only(tmp_path):
     manifest = store.read_manifest(out)
     assert manifest == {c.id: c.config_hash for c in expand(load_suite(path))}
     assert all(config_hash(c.spec) == c.config_hash for c in expand(load_suite(path)))
+
+
+# ----------------------------------------------------------------------------- input edge cases
+
+from pyrobdl.compare.grid import parse_only  # noqa: E402
+from pyrobdl.compare.sources import load_dataset  # noqa: E402
+
+
+def _file(tmp_path: Path, text: str, name: str = "d.csv") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text).lstrip())
+    return path
+
+
+def _load(path: Path, target, task: str = "regression"):
+    opts = {"path": str(path), "target": target, "delimiter": ",", "task": task, "test_fraction": 0.25,
+            "standardize": True}
+    return load_dataset("file", opts, 0, None, path.parent)
+
+
+def test_csv_without_header_keeps_its_first_row(tmp_path):
+    rows = [[i, 2 * i, 3.5 * i] for i in range(1, 9)]
+    path = _file(tmp_path, "\n".join(",".join(str(v) for v in r) for r in rows))
+    data = _load(path, 2)
+    assert data.x_train.shape[0] + data.x_test.shape[0] == 8  # no row became a header
+    with pytest.raises(ValueError, match="has no header line .* must be a column index 0..2, not a name"):
+        _load(path, "y")
+    headed = _file(tmp_path, "a,b,y\n" + "\n".join(",".join(str(v) for v in r) for r in rows), "h.csv")
+    assert _load(headed, "y").x_train.shape[0] + _load(headed, "y").x_test.shape[0] == 8
+
+
+@pytest.mark.parametrize("text,message", [
+    ("a,b,y\n1,2,3\n4,5\n7,8,9\n", "line 3 has 2 fields, expected 3"),
+    ("a,b,y\n1,2,3\n4,SECRET,6\n7,8,9\n", "line 3, column 2: not a number"),
+    ("1,2,3\n\n4,5,6,SECRET\n7,8,9\n", "line 3 has 4 fields, expected 3"),
+    ("a,b,y\n1,2,3\n4,1e307,6\n7,8,9\n", "line 3, column 2: NaN, infinite, or beyond float32's range"),
+    ("a,b,y\n1,2,3\n4,nan,6\n7,8,9\n", "line 3, column 2: NaN, infinite"),
+])
+def test_csv_errors_name_line_and_column_without_contents(tmp_path, text, message):
+    path = _file(tmp_path, text)
+    with pytest.raises(ValueError, match=message) as info:
+        _load(path, 2)
+    assert "SECRET" not in str(info.value) and "1e307" not in str(info.value)
+
+
+def test_values_beyond_float32_are_refused_before_standardisation(tmp_path):
+    """The probe's case: one x column near 1e307 came out as all zeros and the cell was 'ok'."""
+    import numpy as np
+
+    x = np.linspace(1.0, 2.0, 40)[:, None] * np.array([[1.0, 1e307]])
+    np.savez(tmp_path / "big.npz", x=x, y=np.arange(40.0))
+    with pytest.raises(ValueError, match=r"array 'x': value at row 0, column 1 is beyond float32's range"):
+        _load(tmp_path / "big.npz", "y")
+    # a large but representable column standardises exactly (float64 statistics do not overflow)
+    np.savez(tmp_path / "ok.npz", x=x / 1e270, y=np.arange(40.0))
+    data = _load(tmp_path / "ok.npz", "y")
+    xs = torch_cat(data)
+    assert np.isfinite(xs).all() and xs[:, 1].std() > 0.5
+
+
+def torch_cat(data):
+    import numpy as np
+
+    return np.concatenate([data.x_train.numpy(), data.x_test.numpy()])
+
+
+def test_uci_data_beyond_float32_is_refused_naming_row_and_column(tmp_path):
+    import numpy as np
+
+    from pyrobdl.datasets import load_uci
+
+    folder = tmp_path / "uci" / "yacht"
+    folder.mkdir(parents=True)
+    data = np.arange(30.0).reshape(10, 3)
+    data[4, 1] = 1e307
+    np.savetxt(folder / "data.txt", data)
+    (folder / "index_features.txt").write_text("0\n1\n")
+    (folder / "index_target.txt").write_text("2\n")
+    (folder / "index_train_0.txt").write_text("\n".join(map(str, range(8))))
+    (folder / "index_test_0.txt").write_text("8\n9\n")
+    with pytest.raises(ValueError, match=r"data.txt': value at row 4, column 1 is beyond float32's range"):
+        load_uci("yacht", 0, data_dir=tmp_path)
+    data[4, 1] = 1e30  # representable: standardised, not zeroed
+    np.savetxt(folder / "data.txt", data)
+    d = load_uci("yacht", 0, data_dir=tmp_path)
+    assert float(d.x_train[:, 1].abs().max()) > 1.0
+
+
+def test_a_stray_class_label_is_refused_with_the_count(tmp_path):
+    rows = "\n".join(f"{i},{i % 3 if i != 5 else 1000000}" for i in range(20))
+    path = _file(tmp_path, "x,label\n" + rows)
+    with pytest.raises(ValueError, match=r"largest class label is 1000000, i.e. 1000001 classes \(4 distinct labels\); "
+                                         r"at most 1000"):
+        _load(path, "label", "classification")
+    suite = write_suite(tmp_path, SUITE.replace('source = "gap"\nnum_train = 20\nnum_test = 10',
+                                               f'source = "file"\npath = "{path}"\ntarget = "label"\n'
+                                               'task = "classification"')
+                        .replace('likelihood = { kind = "gaussian", precision = 50.0 }',
+                                 'likelihood = { kind = "categorical" }'))
+    with pytest.raises(ConfigError, match="1000001 classes"):
+        run(suite, tmp_path / "out")
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out" / "cells").iterdir())
+
+
+@pytest.mark.parametrize("seeds", ["[-1]", "[4294967296]", f"[{2**70}]"])
+def test_seeds_are_validated(seeds):
+    with pytest.raises(ConfigError, match=r"suite.seeds: must be a non-empty list of integers in 0..2\*\*32-1"):
+        parse_suite(tomllib.loads(SUITE.replace("[suite]", f"[suite]\nseeds = {seeds}")), "/x/s.toml")
+
+
+@pytest.mark.parametrize("seed", [-1, 2**32, 2**70])
+def test_fit_seed_is_validated(seed):
+    import pyrobdl
+    from pyrobdl.datasets import gap_regression
+
+    d = gap_regression(10, 5, seed=0)
+    with pytest.raises(ValueError, match=rf"seed must be in 0..2\*\*32-1 .*got {seed}"):
+        pyrobdl.fit(pyrobdl.BayesianMLP(1, (3,), 1), d.x_train, d.y_train, "map", seed=seed, progress=False)
+
+
+@pytest.mark.parametrize("text", [",,,", " , ", ""])
+def test_an_empty_only_filter_is_an_error(tmp_path, capsys, text):
+    with pytest.raises(ValueError, match="--only: no key=value entries"):
+        parse_only(text)
+    assert main(["compare", str(write_suite(tmp_path)), "--out", str(tmp_path / "o"), "--only", text]) == 2
+    assert "--only: no key=value entries" in capsys.readouterr().err
+    assert parse_only(None) == {}
+
+
+def test_workers_are_capped_at_the_cells_with_a_warning_above_the_cores(tmp_path, capsys, monkeypatch):
+    path = write_suite(tmp_path, SUITE.replace("[datasets.gap]", "[datasets.gap]\nsplits = [0, 1]"))
+    assert main(["compare", str(path), "--out", str(tmp_path / "o"), "--workers", "1000", "--dry-run"]) == 0
+    err = capsys.readouterr().err
+    assert "--workers 1000 capped at 2, the number of cells" in err
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    assert main(["compare", str(path), "--out", str(tmp_path / "o"), "--workers", "2", "--dry-run"]) == 0
+    assert "--workers 2 is more than the 1 CPU core(s) available" in capsys.readouterr().err
+
+
+def test_a_diverged_point_estimate_warns_and_the_cell_says_so(tmp_path):
+    import pyrobdl
+    from pyrobdl.datasets import gap_regression
+
+    d = gap_regression(20, 5, seed=0)
+    with pytest.warns(UserWarning, match=r"the map fit diverged: its objective went from .* lower lr \(now 1000000.0\)"):
+        pyrobdl.fit(pyrobdl.BayesianMLP(1, (5,), 1), d.x_train, d.y_train, "map", seed=0, num_steps=100, lr=1e6,
+                    progress=False)
+    out = tmp_path / "out"
+    assert run(write_suite(tmp_path, SUITE.replace("num_steps = 5", "num_steps = 100\nlr = 1e6")), out).success
+    rec = read_result(out / "cells" / "gap__map__split-0__seed-0" / RESULT_FILE)
+    assert any("fit: UserWarning: the map fit diverged" in w for w in rec["warnings"])
