@@ -441,6 +441,8 @@ def test_report_reads_only_the_suites_cells_and_refuses_edited_records(tmp_path,
     lambda r: {**r, "metrics": {"rmse": {"nested": 1}}},
     lambda r: {**r, "artifacts": {"arrays": "../../etc/passwd"}},
     lambda r: {**r, "config_hash": 7},
+    lambda r: {**r, "dataset": "gap\n<script>"},
+    lambda r: {**r, "method": "mean_field"},
 ])
 def test_hostile_records_are_clear_errors(tmp_path, capsys, change):
     path = write_suite(tmp_path)
@@ -452,7 +454,7 @@ def test_hostile_records_are_clear_errors(tmp_path, capsys, change):
     except RecursionError:
         rec_path.write_text('{"a": ' + "[" * 100000 + "]" * 100000 + "}")
     with pytest.raises(ResultsError, match="corrupt result file"):
-        read_result(rec_path)
+        store.check_identity(read_result(rec_path), rec_path)
     assert main(["report", str(out)]) == 3
     assert main(["compare", str(path), "--out", str(out), "--no-progress"]) == 3
     err = capsys.readouterr().err
@@ -617,3 +619,11 @@ def test_a_diverged_point_estimate_warns_and_the_cell_says_so(tmp_path):
     assert run(write_suite(tmp_path, SUITE.replace("num_steps = 5", "num_steps = 100\nlr = 1e6")), out).success
     rec = read_result(out / "cells" / "gap__map__split-0__seed-0" / RESULT_FILE)
     assert any("fit: UserWarning: the map fit diverged" in w for w in rec["warnings"])
+
+
+def test_write_error_crosses_process_boundaries():
+    """Worker processes return it through pickling (the standard library's, on our own exception)."""
+    import pickle
+
+    e = pickle.loads(pickle.dumps(WriteError("/x/arrays.npz", "[Errno 28] No space left on device")))
+    assert str(e) == "cannot write /x/arrays.npz: [Errno 28] No space left on device" and e.path == "/x/arrays.npz"

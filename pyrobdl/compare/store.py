@@ -392,10 +392,20 @@ def check_identity(record: Mapping[str, Any], path: Path) -> None:
     Raises
     ------
     ResultsError
-        If the record's ``id`` is not its folder's name, or its ``config`` does not hash to
-        its ``config_hash`` (naming the file).
+        If its labels are not valid labels, its ``id`` is not the id of its dataset, method,
+        split and seed or not its folder's name, or its ``config`` does not hash to its
+        ``config_hash`` (naming the file).
     """
+    from .config import label_problem
+
     folder = Path(path).parent.name
+    for key in ("dataset", "method"):
+        why = label_problem(record[key])
+        if why:
+            raise ResultsError(f"corrupt result file {path}: {key}: {why}")
+    expected = f"{record['dataset']}__{record['method']}__split-{record['split']}__seed-{record['seed']}"
+    if record["id"] != expected:
+        raise ResultsError(f"corrupt result file {path}: its id does not match its dataset, method, split and seed")
     if record["id"] != folder:
         raise ResultsError(f"corrupt result file {path}: it is the record of cell {str(record['id'])[:80]!r}, "
                            f"not of the folder it is in ({folder!r})")
