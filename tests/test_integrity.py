@@ -24,8 +24,9 @@ from pyrobdl.cli import EXIT_CODES, main
 from pyrobdl.compare import ConfigError, ResultsError, expand, load_suite, parse_suite, read_result, run_suite
 from pyrobdl.compare import store
 from pyrobdl.compare.config import label_problem, tomllib
-from pyrobdl.compare.grid import cell_id
+from pyrobdl.compare.grid import cell_id, parse_only
 from pyrobdl.compare.lock import LOCK_FILE, FolderLockedError, OutFolderError, RunLock, check_out_folder
+from pyrobdl.compare.sources import load_dataset
 from pyrobdl.compare.store import RESULT_FILE, WriteError, clean_tmp, config_hash
 from pyrobdl.report import build_report
 
@@ -472,8 +473,6 @@ def test_manifest_lists_the_whole_grid_even_with_only(tmp_path):
 
 # ----------------------------------------------------------------------------- input edge cases
 
-from pyrobdl.compare.grid import parse_only  # noqa: E402
-from pyrobdl.compare.sources import load_dataset  # noqa: E402
 
 
 def _file(tmp_path: Path, text: str, name: str = "d.csv") -> Path:

@@ -13,6 +13,12 @@ certified as a reference", a saturated sampler) are recorded in the cell's ``war
 cell evaluated against a reference whose certification failed, or was never recorded, says so there
 and in ``reference.certified``.  Nothing here depends on which method a cell runs: methods are
 looked up in the registry and only used through the posterior contract.
+
+The results folder is guarded as :mod:`pyrobdl.compare.store` and :mod:`pyrobdl.compare.lock`
+describe: ``--out`` is checked before any work, the run holds the folder's lock throughout,
+every artifact's checksum goes into the record, a dependent cell records the checksum of the
+reference draws it was scored against (and is redone when they change), and a file that cannot be
+written (:class:`~pyrobdl.compare.store.WriteError`) stops the run instead of failing the cell.
 """
 
 from __future__ import annotations
@@ -39,8 +45,8 @@ from . import artifacts
 from .config import Suite
 from .executors import Executor, InProcessExecutor
 from .grid import Cell, build_model, check_plan, describe, expand, select
-from .sources import load_dataset
 from .lock import RunLock, check_out_folder
+from .sources import load_dataset
 from .store import (
     RESULT_FILE,
     SCHEMA,
@@ -50,7 +56,6 @@ from .store import (
     atomic_write_json,
     cell_state,
     clean_tmp,
-    file_sha256,
     new_run_id,
     npz_bytes,
     read_result,

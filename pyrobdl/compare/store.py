@@ -43,7 +43,6 @@ Resume policy (:func:`cell_state`):
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import io
 import json
