@@ -626,3 +626,17 @@ def test_write_error_crosses_process_boundaries():
 
     e = pickle.loads(pickle.dumps(WriteError("/x/arrays.npz", "[Errno 28] No space left on device")))
     assert str(e) == "cannot write /x/arrays.npz: [Errno 28] No space left on device" and e.path == "/x/arrays.npz"
+
+
+def test_write_error_in_a_pool_worker_stops_the_run(tmp_path, monkeypatch):
+    """Through FuturesExecutor (threads here; processes return the same exception by pickling)."""
+    import concurrent.futures as cf
+
+    from pyrobdl.compare import FuturesExecutor
+
+    path = write_suite(tmp_path, SUITE.replace("[datasets.gap]", "[datasets.gap]\nsplits = [0, 1]"))
+    _fail_on(monkeypatch, "arrays.npz")
+    with cf.ThreadPoolExecutor(2) as pool:
+        with pytest.raises(WriteError, match=r"arrays.npz: \[Errno 28\]"):
+            run(path, tmp_path / "out", executor=FuturesExecutor(pool))
+    assert not list((tmp_path / "out").glob(f"cells/*/{RESULT_FILE}"))
