@@ -444,6 +444,10 @@ def test_report_reads_only_the_suites_cells_and_refuses_edited_records(tmp_path,
     lambda r: {**r, "config_hash": 7},
     lambda r: {**r, "dataset": "gap\n<script>"},
     lambda r: {**r, "method": "mean_field"},
+    lambda r: {**r, "wall_time_s": "x"},
+    lambda r: {**r, "cost": {**r["cost"], "wall_time_s": [1]}},
+    lambda r: {**r, "published": -1e308},
+    lambda r: {**r, "warnings": [{"a": 1}]},
 ])
 def test_hostile_records_are_clear_errors(tmp_path, capsys, change):
     path = write_suite(tmp_path)

@@ -351,9 +351,28 @@ def _type_problems(record: Mapping[str, Any]) -> list[str]:
             bad.append(f"{key} must be an object or null")
     if record.get("error") is not None and not isinstance(record["error"], dict):
         bad.append("error must be an object or null")
-    if not isinstance(record.get("warnings", []), list):
-        bad.append("warnings must be a list")
+    for key in ("warnings", "published"):
+        v = record.get(key, [])
+        if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+            bad.append(f"{key} must be a list of strings")
+    for key in ("wall_time_s", "cpu_time_s", "fit_cpu_time_s", "eval_time_s"):
+        if not _is_number_or_null(record.get(key)):
+            bad.append(f"{key} must be a number or null")
+    cost = record.get("cost")
+    if isinstance(cost, dict):
+        for key in ("wall_time_s", "gradient_evaluations", "epochs", "peak_memory_bytes"):
+            if not _is_number_or_null(cost.get(key)):
+                bad.append(f"cost.{key} must be a number or null")
+    for key in ("suite", "host"):
+        if not isinstance(record.get(key, ""), str):
+            bad.append(f"{key} must be a string")
+    if not isinstance(record.get("is_reference", False), bool):
+        bad.append("is_reference must be true or false")
     return bad
+
+
+def _is_number_or_null(v: Any) -> bool:
+    return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
 
 
 def read_result(path: Path) -> dict[str, Any]:
