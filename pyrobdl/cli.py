@@ -5,10 +5,13 @@ Exit status (every command):
 ====  ==========================================================================
 0     success
 1     ``compare``: the run finished but at least one cell failed (see its record)
-2     usage error: bad arguments, an invalid suite file, ``--only`` filter or device;
+2     usage error: bad arguments, an invalid suite file, ``--only`` filter or device, an
+      ``--out`` folder that cannot be created or written, or one another run is writing into;
       nothing was run
 3     results folder problem: corrupt or stale records (``compare``; see
-      ``--rerun-invalid``), or no results to report (``report``)
+      ``--rerun-invalid``), no results to report or a corrupt cell (``report``)
+4     ``compare``: a file could not be written (disk full, I/O or permission error); the
+      run stopped, finished cells are kept, the message names the file
 130   interrupted (Ctrl-C); finished cells are kept and a rerun resumes
 ====  ==========================================================================
 """
@@ -23,13 +26,16 @@ from typing import Any, Sequence
 __all__ = ["EXIT_CODES", "main"]
 
 #: Exit status by meaning (documented in ``pyrobdl --help`` and docs/compare.md).
-EXIT_CODES = {"ok": 0, "cells_failed": 1, "usage": 2, "results": 3, "interrupted": 130}
+EXIT_CODES = {"ok": 0, "cells_failed": 1, "usage": 2, "results": 3, "write_failed": 4, "interrupted": 130}
 
 _EPILOG = """exit status:
   0    success
   1    compare: at least one cell failed (its error is in its result.json and the report)
-  2    usage error: bad arguments, invalid suite, --only filter or device (nothing ran)
-  3    results folder problem: corrupt/stale records (compare), no results (report)
+  2    usage error: bad arguments, invalid suite, --only filter or device, unusable --out,
+       --out in use by another run (nothing ran)
+  3    results folder problem: corrupt/stale records (compare), no results or a corrupt
+       cell (report)
+  4    compare: a file could not be written (disk full, I/O, permission); finished cells kept
   130  interrupted; finished cells are kept, rerunning resumes
 """
 
@@ -114,12 +120,31 @@ def _init_worker(threads: int | None) -> None:
         DEFAULTS["threads"] = threads  # fit's default: this count for every cell
 
 
+def _cap_workers(workers: int, cells: int) -> int:
+    """``--workers`` capped at the number of cells; a warning when above the machine's cores."""
+    import os
+
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    capped = max(1, min(workers, cells))
+    if capped < workers:
+        print(f"pyrobdl: note: --workers {workers} capped at {capped}, the number of cells", file=sys.stderr)
+    if capped > cores:
+        print(f"pyrobdl: warning: --workers {capped} is more than the {cores} CPU core(s) available: each worker "
+              "is a process with its own copy of torch, and they compete for the cores", file=sys.stderr)
+    return capped
+
+
 def _cmd_compare(args: argparse.Namespace) -> int:
     import torch
 
     from .compare import ConfigError, ResultsError, load_suite, run_suite
     from .compare.executors import FuturesExecutor, InProcessExecutor
     from .compare.grid import describe, expand, parse_only, select
+    from .compare.lock import FolderLockedError
+    from .compare.store import WriteError
 
     if args.workers < 1:
         _err(f"--workers must be >= 1, got {args.workers}")
@@ -135,6 +160,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     try:
         suite = load_suite(args.suite)
         only = parse_only(args.only)
+        if args.workers > 1:
+            args.workers = _cap_workers(args.workers, len(select(expand(suite, args.data_dir or suite.data_dir), only)))
         if args.dry_run:
             from .compare.grid import check_plan
             from .compare.store import cell_state
@@ -170,12 +197,16 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             progress=not args.no_progress, rerun_invalid=args.rerun_invalid,
             log=(lambda line: print(line, flush=True)) if args.no_progress else None,
         )
-    except (ConfigError, ValueError) as e:
+    except (ConfigError, ValueError, FolderLockedError) as e:
         _err(str(e))
         return 2
     except ResultsError as e:
         _err(str(e))
         return 3
+    except WriteError as e:
+        _err(f"{e}; the run stopped. Cells finished before are kept; free space (or fix the permission) "
+             "and rerun the same command to resume")
+        return 4
     except KeyboardInterrupt:
         _err("interrupted; finished cells are kept, rerun the same command to resume")
         return 130
@@ -193,6 +224,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 def _cmd_report(args: argparse.Namespace) -> int:
     from .compare import ResultsError
+    from .compare.store import WriteError
     from .report import build_report
 
     try:
@@ -200,6 +232,9 @@ def _cmd_report(args: argparse.Namespace) -> int:
     except ResultsError as e:
         _err(str(e))
         return 3
+    except WriteError as e:
+        _err(str(e))
+        return 4
     print(f"wrote {files.html} and {files.markdown} ({files.cells} cells, {files.failed} failed)")
     return 0
 

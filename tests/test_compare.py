@@ -35,7 +35,7 @@ from pyrobdl.compare import (
 from pyrobdl.compare.config import tomllib
 from pyrobdl.compare.grid import build_model, check_plan
 from pyrobdl.compare.sources import SOURCES, load_dataset
-from pyrobdl.compare.store import RESULT_FILE, atomic_write
+from pyrobdl.compare.store import RESULT_FILE, WriteError, atomic_write
 from pyrobdl.inference import registry
 from pyrobdl.inference.registry import Method
 
@@ -309,7 +309,8 @@ def test_mcmc_certification_is_recorded_and_an_uncertified_reference_flagged(tmp
                for w in ref["warnings"]), ref["warnings"]
     rec = read_result(out / "cells" / "gap__mean_field__split-0__seed-0" / RESULT_FILE)
     assert rec["certification"] is None  # an SVI method holds no chains
-    assert rec["reference"] == {"cell": ref["id"], "used": True, "note": "", "certified": False}
+    assert rec["reference"] == {"cell": ref["id"], "used": True, "note": "", "certified": False,
+                                "draws_sha256": ref["checksums"]["reference_draws.pt"]}
     assert rec["metrics"]["reference_certified"] == 0.0 and "w2_to_reference" in rec["metrics"]
     [sentence] = [w for w in rec["warnings"] if "not certified" in w]
     assert sentence.startswith(f"the reference {ref['id']} is not certified ({ref['certification']['failures'][0]}")
@@ -337,7 +338,8 @@ def test_resume_after_simulated_crash(tmp_path):
     run(path, out)
     victim = out / "cells" / "gap__map__split-1__seed-0"
     (victim / RESULT_FILE).unlink()
-    (victim / ".result.json.tmp-999-abcd").write_text('{"schema": "trunc')  # a torn write
+    # a torn write of a run whose process is gone (pids are below 2**22 on Linux)
+    (victim / ".result.json.tmp-r0123456789ab-999999999-abcdef01").write_text('{"schema": "trunc')
     mtimes = {p: p.stat().st_mtime_ns for p in out.glob(f"cells/*/{RESULT_FILE}")}
     summary = run(path, out)
     assert summary.ok == ("gap__map__split-1__seed-0",) and len(summary.skipped) == 3
@@ -425,7 +427,7 @@ def test_atomic_write_leaves_old_file_on_error(tmp_path):
         tmp.write_text("half")
         raise OSError("disk full")
 
-    with pytest.raises(OSError):
+    with pytest.raises(WriteError, match=f"cannot write {target}: disk full"):
         atomic_write(target, broken)
     assert target.read_text() == "old" and list(tmp_path.iterdir()) == [target]
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from pyrobdl.compare import ResultsError
-from pyrobdl.compare.store import SCHEMA, atomic_save_npz, atomic_write_json
+from pyrobdl.compare.store import SCHEMA, atomic_save_npz, atomic_write_json, config_hash
 from pyrobdl.report import PUBLISHED, build_model, build_report
 from pyrobdl.report.tables import mean_se, published_table, reference_metric_keys
 
@@ -48,8 +48,9 @@ def record(dataset, method, split, *, metrics, status="ok", source="uci", name="
 
 def store(out: Path, items) -> Path:
     for cid, rec, arrays in items:
+        rec["checksums"] = {"arrays.npz": atomic_save_npz(out / "cells" / cid / "arrays.npz", arrays)}
+        rec["config_hash"] = config_hash(rec["config"])
         atomic_write_json(out / "cells" / cid / "result.json", rec)
-        atomic_save_npz(out / "cells" / cid / "arrays.npz", arrays)
     return out
 
 

@@ -8,7 +8,8 @@ from .executors import Executor, FuturesExecutor, InProcessExecutor
 from .grid import Cell, build_model, expand, parse_only, select
 from .runner import CellOutcome, CellTask, RunSummary, library_versions, run_cell, run_suite
 from .sources import SOURCES, Source
-from .store import ResultsError, list_results, read_result
+from .lock import FolderLockedError, OutFolderError
+from .store import ResultsError, WriteError, list_results, read_result
 
 __all__ = [
     "Cell",
@@ -20,7 +21,10 @@ __all__ = [
     "FuturesExecutor",
     "InProcessExecutor",
     "MethodEntry",
+    "FolderLockedError",
+    "OutFolderError",
     "ResultsError",
+    "WriteError",
     "RunSummary",
     "SOURCES",
     "Source",

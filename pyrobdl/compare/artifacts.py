@@ -16,6 +16,7 @@ registered method alike:
 
 from __future__ import annotations
 
+import io
 import math
 from pathlib import Path
 from typing import Any, Mapping
@@ -26,14 +27,16 @@ import torch
 from .. import likelihoods, priors
 from ..datasets import blr_posterior
 from ..posterior import Cost, Posterior
-from .store import atomic_write
+from .store import atomic_write_bytes
 
 __all__ = [
     "CALIBRATION_LEVELS",
     "StoredPosterior",
     "calibration_curve",
     "exact_posterior_metrics",
+    "draws_bytes",
     "load_draws",
+    "load_draws_bytes",
     "predictive_band",
     "save_draws",
 ]
@@ -173,15 +176,38 @@ def calibration_curve(posterior: Posterior, data: Any, num_samples: int, seed: i
     return {"calib_level": CALIBRATION_LEVELS.copy(), "calib_observed": observed}
 
 
-def save_draws(path: Path, posterior: Posterior, num_samples: int, seed: int) -> Path:
-    """Save ``num_samples`` joint posterior draws (CPU tensors) atomically with ``torch.save``."""
+def draws_bytes(posterior: Posterior, num_samples: int, seed: int) -> bytes:
+    """``num_samples`` joint posterior draws (CPU tensors) serialised with ``torch.save``, in memory."""
     draws = {k: v.detach().cpu() for k, v in posterior.sample(num_samples, seed=seed).items()}
-    return atomic_write(Path(path), lambda tmp: torch.save(draws, tmp))
+    buf = io.BytesIO()
+    torch.save(draws, buf)
+    return buf.getvalue()
+
+
+def save_draws(path: Path, posterior: Posterior, num_samples: int, seed: int) -> str:
+    """Save ``num_samples`` joint posterior draws atomically; return the file's SHA-256.
+
+    Raises
+    ------
+    pyrobdl.compare.store.WriteError
+        If the file cannot be written (naming it).
+    """
+    return atomic_write_bytes(Path(path), draws_bytes(posterior, num_samples, seed))
+
+
+def load_draws_bytes(blob: bytes) -> dict[str, torch.Tensor]:
+    """Draws from the bytes of a file written by :func:`save_draws` (tensors only: ``weights_only``)."""
+    draws = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+    if (not isinstance(draws, dict) or not draws
+            or not all(isinstance(k, str) and isinstance(v, torch.Tensor) and v.dim() >= 1 for k, v in draws.items())
+            or len({v.shape[0] for v in draws.values()}) != 1):
+        raise ValueError("not a dict of site name -> [draws, ...] tensors with one number of draws")
+    return draws
 
 
 def load_draws(path: Path) -> dict[str, torch.Tensor]:
     """Read draws written by :func:`save_draws`."""
-    return torch.load(Path(path), map_location="cpu", weights_only=True)
+    return load_draws_bytes(Path(path).read_bytes())
 
 
 class StoredPosterior(Posterior):

@@ -69,10 +69,12 @@ else:  # pragma: no cover - the same parser, packaged for Python 3.10
     import tomli as tomllib
 
 __all__ = [
+    "LABEL_PATTERN",
     "ConfigError",
     "DatasetEntry",
     "MethodEntry",
     "Suite",
+    "label_problem",
     "load_suite",
     "model_components",
     "parse_suite",
@@ -88,7 +90,31 @@ MODEL_KEYS = ("activation", "hidden", "likelihood", "prior")
 METHOD_RESERVED = ("gradient_variance", "method", "model", "published")
 DATASET_RESERVED = ("methods", "model", "overrides", "reference", "source", "splits")
 PRECISION_UNITS = ("original", "standardized")
-_LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
+#: Dataset and method labels: ASCII letters and digits in runs joined by single '_' or '-'
+#: (no '__', no leading or trailing separator, no whitespace), at most :data:`LABEL_MAX` characters.
+#: Cell ids join labels with '__' (:func:`pyrobdl.compare.grid.cell_id`), so this grammar makes
+#: them collision-free; labels must also differ in more than letter case (case-insensitive disks).
+LABEL_PATTERN = re.compile(r"[A-Za-z0-9]+(?:[_-][A-Za-z0-9]+)*")
+LABEL_MAX = 64
+LABEL_RULE = (f"labels are letters and digits, optionally joined by single '_' or '-' (no '__', "
+              f"no leading or trailing '_' or '-'), at most {LABEL_MAX} characters")
+
+
+def label_problem(label: Any) -> str | None:
+    """Why ``label`` is not a valid dataset or method label, or None (see :data:`LABEL_PATTERN`)."""
+    if not isinstance(label, str) or len(label) > LABEL_MAX or not LABEL_PATTERN.fullmatch(label):
+        return f"invalid label {str(label)[:80]!r}: {LABEL_RULE}"
+    return None
+
+
+def _case_clashes(errors: "_Errors", where: str, labels: Any) -> None:
+    seen: dict[str, str] = {}
+    for label in labels:
+        key = str(label).casefold()
+        if key in seen:
+            errors.add(f"{where}.{label}", f"differs from {where}.{seen[key]} only in letter case; "
+                       "labels name folders, which some file systems do not tell apart")
+        seen.setdefault(key, str(label))
 
 
 class ConfigError(ValueError):
@@ -344,8 +370,9 @@ def _parse_methods(errors: _Errors, raw: Any) -> list[MethodEntry]:
     entries = []
     for label, table in raw.items():
         where = f"methods.{label}"
-        if not _LABEL.match(label):
-            errors.add(where, "labels may contain letters, digits, '_' and '-' only")
+        why = label_problem(label)
+        if why:
+            errors.add(where, why)
         if not isinstance(table, dict):
             errors.add(where, f"must be a table, got {table!r}")
             continue
@@ -390,8 +417,9 @@ def _parse_datasets(
     entries = []
     for label, table in raw.items():
         where = f"datasets.{label}"
-        if not _LABEL.match(label):
-            errors.add(where, "labels may contain letters, digits, '_' and '-' only")
+        why = label_problem(label)
+        if why:
+            errors.add(where, why)
         if not isinstance(table, dict):
             errors.add(where, f"must be a table, got {table!r}")
             continue
@@ -413,10 +441,10 @@ def _parse_datasets(
             s = table["splits"]
             if s == "all":
                 splits = "all"
-            elif isinstance(s, list) and s and all(_is_int(v) and v >= 0 for v in s):
+            elif isinstance(s, list) and s and all(_is_int(v) and 0 <= v < 2**32 for v in s):
                 splits = tuple(s)
             else:
-                errors.add(f"{where}.splits", f'must be a non-empty list of integers >= 0 or "all", got {s!r}')
+                errors.add(f"{where}.splits", f'must be a non-empty list of integers in 0..2**32-1 or "all", got {s!r}')
         if splits == "all" and source.num_splits is None:
             errors.add(f"{where}.splits", f'"all" needs a source with fixed splits; {source_name!r} has none')
         ds_methods = _str_list(errors, f"{where}.methods", table.get("methods", labels))
@@ -490,8 +518,8 @@ def parse_suite(raw: Mapping[str, Any], path: str | Path = "<suite>") -> Suite:
         suite = {}
     errors.unknown("suite", suite, SUITE_KEYS)
     seeds = suite.get("seeds", [0])
-    if not isinstance(seeds, list) or not seeds or not all(_is_int(s) and s >= 0 for s in seeds):
-        errors.add("suite.seeds", f"must be a non-empty list of integers >= 0, got {seeds!r}")
+    if not isinstance(seeds, list) or not seeds or not all(_is_int(s) and 0 <= s < 2**32 for s in seeds):
+        errors.add("suite.seeds", f"must be a non-empty list of integers in 0..2**32-1, got {seeds!r}")
         seeds = [0]
     if len(set(seeds)) != len(seeds):
         errors.add("suite.seeds", f"has duplicates: {seeds!r}")
@@ -514,6 +542,9 @@ def parse_suite(raw: Mapping[str, Any], path: str | Path = "<suite>") -> Suite:
         errors, raw.get("datasets"), labels, suite.get("reference") or None, base,
         {m.label: m for m in method_entries},
     )
+    for where in ("methods", "datasets"):
+        if isinstance(raw.get(where), dict):
+            _case_clashes(errors, where, raw[where])
     gv = raw.get("gradient_variance")
     if gv is not None:
         if not isinstance(gv, dict):

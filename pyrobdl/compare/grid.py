@@ -9,15 +9,14 @@ its reference cell, which runs first.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 from .. import BayesianMLP
 from ..inference import get_method
-from .config import ConfigError, Suite, model_components
+from .config import ConfigError, Suite, label_problem, model_components
 from .sources import SOURCES, load_dataset
+from .store import config_hash
 
 __all__ = ["Cell", "FILTER_KEYS", "build_model", "check_plan", "expand", "parse_only", "select"]
 
@@ -59,7 +58,24 @@ class Cell:
 
 
 def cell_id(dataset: str, method: str, split: int, seed: int) -> str:
-    """The id (and folder name) of a cell."""
+    """The id (and folder name) of a cell: ``<dataset>__<method>__split-<k>__seed-<s>``.
+
+    Labels follow :data:`pyrobdl.compare.config.LABEL_PATTERN` (no ``__``, no leading or
+    trailing separator), so the id splits back into its four parts at ``__`` in exactly one way:
+    two different cells never share a folder.
+
+    Raises
+    ------
+    ValueError
+        If a label is not valid, or ``split`` or ``seed`` is not an integer >= 0.
+    """
+    for label in (dataset, method):
+        why = label_problem(label)
+        if why:
+            raise ValueError(why)
+    for name, v in (("split", split), ("seed", seed)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
     return f"{dataset}__{method}__split-{split}__seed-{seed}"
 
 
@@ -71,7 +87,7 @@ def _merge_model(*specs: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _hash(spec: Mapping[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
+    return config_hash(spec)
 
 
 def _splits(suite: Suite, ds: Any, data_dir: str | None) -> tuple[int, ...]:
@@ -126,6 +142,11 @@ def expand(suite: Suite, data_dir: str | None = None) -> list[Cell]:
                     cells.append(
                         Cell(cid, ds.label, label, split, seed, spec, _hash(spec), is_ref, spec["reference"])
                     )
+    folded: dict[str, str] = {}
+    for c in cells:  # guaranteed by the label grammar; checked because a clash would lose results
+        other = folded.setdefault(c.id.casefold(), c.id)
+        if other is not c.id:
+            raise ConfigError(f"invalid suite {suite.path}: cells {other!r} and {c.id!r} would share a results folder")
     return cells
 
 
@@ -135,10 +156,11 @@ def parse_only(text: str | None) -> dict[str, set[str]]:
     Raises
     ------
     ValueError
-        For an entry without ``=`` or an unknown key (listing :data:`FILTER_KEYS`).
+        For an entry without ``=``, an unknown key (listing :data:`FILTER_KEYS`), or a text with
+        no entry at all (``","``): an empty filter is not "everything".
     """
     only: dict[str, set[str]] = {}
-    if not text:
+    if text is None:
         return only
     for part in text.split(","):
         part = part.strip()
@@ -151,6 +173,8 @@ def parse_only(text: str | None) -> dict[str, set[str]]:
         if key not in FILTER_KEYS:
             raise ValueError(f"--only: unknown key {key!r}; valid keys: {list(FILTER_KEYS)}")
         only.setdefault(key, set()).add(value)
+    if not only:
+        raise ValueError(f"--only: no key=value entries in {text[:80]!r}; valid keys: {list(FILTER_KEYS)}")
     return only
 
 

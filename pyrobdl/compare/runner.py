@@ -13,13 +13,20 @@ certified as a reference", a saturated sampler) are recorded in the cell's ``war
 cell evaluated against a reference whose certification failed, or was never recorded, says so there
 and in ``reference.certified``.  Nothing here depends on which method a cell runs: methods are
 looked up in the registry and only used through the posterior contract.
+
+The results folder is guarded as :mod:`pyrobdl.compare.store` and :mod:`pyrobdl.compare.lock`
+describe: ``--out`` is checked before any work, the run holds the folder's lock throughout,
+every artifact's checksum goes into the record, a dependent cell records the checksum of the
+reference draws it was scored against (and is redone when they change), and a file that cannot be
+written (:class:`~pyrobdl.compare.store.WriteError`) stops the run instead of failing the cell.
 """
 
 from __future__ import annotations
 
+import hashlib
 import inspect
+import io
 import platform
-import shutil
 import socket
 import time
 import traceback
@@ -38,18 +45,23 @@ from . import artifacts
 from .config import Suite
 from .executors import Executor, InProcessExecutor
 from .grid import Cell, build_model, check_plan, describe, expand, select
+from .lock import RunLock, check_out_folder
 from .sources import load_dataset
 from .store import (
     RESULT_FILE,
     SCHEMA,
     ResultsError,
-    atomic_save_npz,
-    atomic_write,
+    WriteError,
+    atomic_write_bytes,
     atomic_write_json,
     cell_state,
     clean_tmp,
+    new_run_id,
+    npz_bytes,
     read_result,
+    reference_draws_sha256,
     set_aside,
+    write_manifest,
 )
 
 __all__ = ["CellOutcome", "CellTask", "RunSummary", "library_versions", "run_cell", "run_suite"]
@@ -81,6 +93,8 @@ class CellTask:
         Model spec of the reference cell (its draws are read from its folder).
     reference_method : str or None
         Registry name of the reference cell's method.
+    run_id : str
+        Id of the run (:func:`~pyrobdl.compare.store.new_run_id`); names its temporary files.
     """
 
     cell: Cell
@@ -91,6 +105,7 @@ class CellTask:
     progress: bool
     reference_model: Mapping[str, Any] | None = None
     reference_method: str | None = None
+    run_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -212,31 +227,76 @@ def _gradient_variance(posterior: Any, data: Any, kwargs: Mapping[str, Any]) -> 
     return table.to_records() if callable(getattr(table, "to_records", None)) else table
 
 
-def _write_inference_data(path: Path, posterior: Any, data: Any, num_samples: int) -> None:
+def _inference_data(posterior: Any, data: Any, num_samples: int) -> Any:
     to_idata = getattr(posterior, "to_inference_data", None)
     if to_idata is None:
         raise RuntimeError(f"{type(posterior).__name__} has no to_inference_data")
     params = inspect.signature(to_idata).parameters
     kwargs = {"num_samples": num_samples} if "num_samples" in params else {}
-    idata = to_idata(data.x_test, data.y_test, **kwargs)
-    atomic_write(path, lambda tmp: idata.to_netcdf(str(tmp)))
+    return to_idata(data.x_test, data.y_test, **kwargs)
 
 
-def _load_reference(task: CellTask, data: Any, device: torch.device) -> tuple[Any, str]:
-    """The reference posterior of ``task`` from its cell's stored draws, or (None, why not).
+def netcdf_bytes(idata: Any) -> bytes:
+    """An ``InferenceData`` as the bytes of a netCDF-4 file (every group, numeric variables zlib-compressed).
 
+    Serialised in memory, so that only plain Python file writes touch the disk: HDF5 writing to
+    a full disk raised and then crashed the process (segmentation fault while closing the file,
+    measured with h5py 3.16 / h5netcdf 1.8 on a 300 kB tmpfs).  The bytes are read back once
+    before they are returned, so a file that would not open is never stored.
+    """
+    import xarray as xr
+
+    tree = idata.to_datatree()
+    encoding = {
+        node.path: {name: {"zlib": True} for name, var in node.dataset.variables.items()
+                    if var.dtype.kind in "biuf"}
+        for node in tree.subtree if node.has_data
+    }
+    buf = io.BytesIO()
+    tree.to_netcdf(buf, engine="h5netcdf", encoding=encoding)
+    blob = buf.getvalue()
+    with xr.open_datatree(io.BytesIO(blob), engine="h5netcdf") as back:
+        missing = sorted({n.path for n in tree.subtree if n.has_data} - {n.path for n in back.subtree if n.has_data})
+    if missing:
+        raise RuntimeError(f"the netCDF serialisation lost group(s) {missing}")
+    return blob
+
+
+def _load_reference(task: CellTask, data: Any, device: torch.device) -> tuple[Any, str, str | None]:
+    """The reference posterior of ``task`` from its cell's stored draws, or (None, why not, None).
+
+    The draws are read only when they match the checksum their cell recorded; the third element
+    is that checksum, recorded by the dependent cell so a later change of the draws makes it stale.
     Its ``certification`` is the reference cell's recorded one; a record without one (a method
     without chains, or a record written before certifications existed) gives a failed
     certification, "no certification recorded".
+
+    Raises
+    ------
+    ResultsError
+        If the reference's draws are missing, damaged or unreadable although its record is
+        ``ok`` (naming the file).
     """
     ref_dir = Path(task.out) / "cells" / str(task.cell.reference)
     path = ref_dir / REFERENCE_DRAWS
     try:
         record = read_result(ref_dir / RESULT_FILE)
     except (ResultsError, FileNotFoundError, OSError) as e:
-        return None, f"reference {task.cell.reference} unavailable: {e}"
-    if record["status"] != "ok" or not path.exists():
-        return None, f"reference {task.cell.reference} unavailable: its cell {record['status']}"
+        return None, f"reference {task.cell.reference} unavailable: {e}", None
+    if record["status"] != "ok":
+        return None, f"reference {task.cell.reference} unavailable: its cell {record['status']}", None
+    expected = (record.get("checksums") or {}).get(REFERENCE_DRAWS)
+    try:
+        blob = path.read_bytes()
+    except OSError as e:
+        raise ResultsError(f"reference draws {path} cannot be read: {e.strerror or e}") from None
+    if expected is None or hashlib.sha256(blob).hexdigest() != expected:
+        raise ResultsError(f"reference draws {path} do not match the checksum in their cell's record "
+                           "(damaged or replaced); rerun to refit the reference")
+    try:
+        draws = artifacts.load_draws_bytes(blob)
+    except Exception as e:  # torch's zip reader: its message does not name the file
+        raise ResultsError(f"reference draws {path} cannot be loaded: {type(e).__name__}: {e}") from None
     model = build_model(task.reference_model or {}, data).to(device)
     from ..diagnostics.certification import Certification
     from ..posterior import Cost
@@ -245,8 +305,7 @@ def _load_reference(task: CellTask, data: Any, device: torch.device) -> tuple[An
     recorded = record.get("certification")
     certification = (Certification.from_dict(recorded) if isinstance(recorded, dict)
                      else Certification.missing("no certification recorded"))
-    return artifacts.StoredPosterior(model, artifacts.load_draws(path), str(task.reference_method), cost,
-                                     certification), ""
+    return artifacts.StoredPosterior(model, draws, str(task.reference_method), cost, certification), "", expected
 
 
 def _warning_texts(stage: str, caught: Sequence[warnings.WarningMessage]) -> list[str]:
@@ -265,11 +324,22 @@ def run_cell(task: CellTask) -> CellOutcome:
     CellOutcome
         ``status`` is ``"failed"`` (with the error) when any step raised an ``Exception``;
         the record then holds the error, its traceback and the stage it happened in.
+
+    Raises
+    ------
+    WriteError
+        When a file of the cell cannot be written (full disk, I/O or permission error): that is
+        not a failure of the cell but of the results folder, and the run must stop.  No record
+        is written then, so the cell is not counted as done.
     """
     cell = task.cell
     spec = cell.spec
     folder = Path(task.out) / "cells" / cell.id
-    folder.mkdir(parents=True, exist_ok=True)
+    owner = task.run_id or None
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise WriteError(str(folder), f"[Errno {e.errno}] {e.strerror or e}") from e
     start, cpu_start = time.perf_counter(), time.process_time()
     record: dict[str, Any] = {
         "schema": SCHEMA, "id": cell.id, "status": "running", "suite": spec["suite"],
@@ -279,7 +349,7 @@ def run_cell(task: CellTask) -> CellOutcome:
         "started_at": _now(), "host": socket.gethostname(), "versions": library_versions(),
         "metrics": {}, "train_metrics": {}, "exact_metrics": {}, "cost": None,
         "reference": {"cell": cell.reference, "used": False, "note": "", "certified": None},
-        "certification": None, "warnings": [], "artifacts": {}, "error": None,
+        "certification": None, "warnings": [], "artifacts": {}, "checksums": {}, "error": None,
     }
     stage = "load data"
     try:
@@ -320,8 +390,8 @@ def run_cell(task: CellTask) -> CellOutcome:
         reference = None
         if cell.reference:
             stage = "load reference"
-            reference, note = _load_reference(task, data, posterior.model.device)
-            record["reference"].update(used=reference is not None, note=note)
+            reference, note, draws_sha = _load_reference(task, data, posterior.model.device)
+            record["reference"].update(used=reference is not None, note=note, draws_sha256=draws_sha)
             if note:
                 record["warnings"].append(note)
             if reference is not None:
@@ -353,7 +423,7 @@ def run_cell(task: CellTask) -> CellOutcome:
         arrays: dict[str, Any] = {"history": np.asarray(posterior.history, dtype=np.float64)}
         arrays.update(artifacts.predictive_band(posterior, data, n, seed))
         arrays.update(artifacts.calibration_curve(posterior, data, n, seed))
-        atomic_save_npz(folder / ARRAYS, arrays)
+        record["checksums"][ARRAYS] = atomic_write_bytes(folder / ARRAYS, npz_bytes(arrays), owner=owner)
         record["artifacts"]["arrays"] = ARRAYS
         record["eval_time_s"] = time.perf_counter() - t_eval
         if spec.get("gradient_variance") is not None:
@@ -364,16 +434,23 @@ def run_cell(task: CellTask) -> CellOutcome:
                 record["warnings"].append(f"gradient_variance: {type(e).__name__}: {e}")
         if cell.is_reference:
             stage = "save reference draws"
-            artifacts.save_draws(folder / REFERENCE_DRAWS, posterior, n, seed)
+            record["checksums"][REFERENCE_DRAWS] = atomic_write_bytes(
+                folder / REFERENCE_DRAWS, artifacts.draws_bytes(posterior, n, seed), owner=owner)
             record["artifacts"]["reference_draws"] = REFERENCE_DRAWS
         if spec.get("inference_data", True):
             stage = "inference data"
             try:
-                _write_inference_data(folder / INFERENCE_DATA, posterior, data, n)
-                record["artifacts"]["inference_data"] = INFERENCE_DATA
-            except Exception as e:  # metrics stand; the record says why the netCDF is missing
+                idata = _inference_data(posterior, data, n)
+            except Exception as e:  # a posterior without ArviZ data: metrics stand, the record says why
+                idata = None
                 record["warnings"].append(f"inference_data: {type(e).__name__}: {e}")
+            if idata is not None:  # a failed serialisation fails the cell; a failed write stops the run
+                record["checksums"][INFERENCE_DATA] = atomic_write_bytes(
+                    folder / INFERENCE_DATA, netcdf_bytes(idata), owner=owner)
+                record["artifacts"]["inference_data"] = INFERENCE_DATA
         record["status"] = "ok"
+    except WriteError:
+        raise
     except Exception as e:
         record["status"] = "failed"
         record["error"] = {
@@ -384,12 +461,14 @@ def run_cell(task: CellTask) -> CellOutcome:
     record["cpu_time_s"] = time.process_time() - cpu_start
     record["finished_at"] = _now()
     try:
-        atomic_write_json(folder / RESULT_FILE, record)
+        atomic_write_json(folder / RESULT_FILE, record, owner=owner)
+    except WriteError:
+        raise
     except Exception as e:  # e.g. an unserialisable diagnostic: keep a record of the failure
         record = {k: record[k] for k in ("schema", "id", "dataset", "method", "split", "seed", "config_hash", "config")}
         record.update(status="failed", error={"type": type(e).__name__, "message": f"writing the record: {e}",
                                               "stage": "write record", "traceback": traceback.format_exc()})
-        atomic_write_json(folder / RESULT_FILE, record)
+        atomic_write_json(folder / RESULT_FILE, record, owner=owner)
     err = record.get("error") or {}
     return CellOutcome(
         cell.id, record["status"], f"{err.get('type')}: {err.get('message')}" if err else "",
@@ -451,6 +530,13 @@ def run_suite(
         An invalid ``only`` filter or device.
     ResultsError
         Corrupt or stale records in ``out`` (naming the files) unless ``rerun_invalid``.
+    FolderLockedError
+        Another run is writing into ``out`` (a :class:`ResultsError`; naming its pid).
+    OutFolderError
+        ``out`` cannot be created or written (a ``ValueError``); nothing has run.
+    WriteError
+        A file could not be written during the run (full disk, I/O or permission error); the
+        run stops, the cells finished before are kept, the one being written is not done.
     """
     started = time.perf_counter()
     executor = executor or InProcessExecutor()
@@ -460,17 +546,33 @@ def run_suite(
         from .._validation import resolve_device
 
         resolve_device(device, torch.device("cpu"))
-    cells = select(expand(suite, data_dir), only or {})
+    grid = expand(suite, data_dir)
+    cells = select(grid, only or {})
+    out = check_out_folder(out)
     check_plan(suite, cells, data_dir)
-    out = Path(out)
     cells_root = out / "cells"
-    cells_root.mkdir(parents=True, exist_ok=True)
     if log is None:
         log = (lambda s: _tqdm_write(s)) if progress else (lambda s: None)
+    run_id = new_run_id()
+    with RunLock(out, run_id):
+        return _run_locked(suite, grid, cells, out, run_id, data_dir, device, executor, progress, rerun_invalid,
+                           log, started)
+
+
+def _state(c: Cell, cells_root: Path) -> tuple[str, str]:
+    ref_sha = reference_draws_sha256(cells_root / c.reference, REFERENCE_DRAWS) if c.reference else None
+    return cell_state(cells_root / c.id, c.config_hash, c.reference is not None, ref_sha)
+
+
+def _run_locked(suite: Suite, grid: list[Cell], cells: list[Cell], out: Path, run_id: str, data_dir: str | None,
+                device: str | None, executor: Executor, progress: bool, rerun_invalid: bool,
+                log: Callable[[str], None], started: float) -> RunSummary:
+    """:func:`run_suite` once the folder's lock is held."""
+    cells_root = out / "cells"
     removed = clean_tmp(cells_root)
     if removed:
         log(f"removed {removed} temporary file(s) left by an interrupted run")
-    states = {c.id: cell_state(cells_root / c.id, c.config_hash, c.reference is not None) for c in cells}
+    states = {c.id: _state(c, cells_root) for c in cells}
     invalid = {cid: why for cid, (state, why) in states.items() if state in ("corrupt", "stale")}
     if invalid and not rerun_invalid:
         lines = "\n".join(f"  {why}" for why in invalid.values())
@@ -481,26 +583,46 @@ def run_suite(
     for cid in invalid:
         log(f"set aside {set_aside(cells_root / cid)}")
     if suite.path.is_file():
-        atomic_write(out / "suite.toml", lambda tmp: shutil.copyfile(suite.path, tmp))
-    skipped = tuple(c.id for c in cells if states[c.id][0] == "ok")
-    todo = [c for c in cells if states[c.id][0] != "ok"]
-    log(f"{suite.name}: {describe(cells)}; {len(skipped)} done, {len(todo)} to run")
+        atomic_write_bytes(out / "suite.toml", suite.path.read_bytes(), owner=run_id)
+    write_manifest(out, suite.name, {c.id: c.config_hash for c in grid}, owner=run_id)
+    for cid, (state, why) in states.items():
+        if state in ("damaged", "stale_reference"):
+            log(f"{state}: {cid}: {why}; it runs again")
+    todo_refs = [c for c in cells if c.is_reference and states[c.id][0] != "ok"]
+    log(f"{suite.name}: {describe(cells)}; {sum(s == 'ok' for s, _ in states.values())} done, "
+        f"{sum(s != 'ok' for s, _ in states.values())} to run")
     by_id = {c.id: c for c in cells}
 
     def task(c: Cell) -> CellTask:
         ref = by_id.get(c.reference) if c.reference else None
         return CellTask(
             c, str(out), data_dir, str(suite.path.parent), device, progress and executor.in_process,
-            dict(ref.spec["model"]) if ref else None, ref.spec["method"]["name"] if ref else None,
+            dict(ref.spec["model"]) if ref else None, ref.spec["method"]["name"] if ref else None, run_id,
         )
 
     ok: list[str] = []
     failed: list[str] = []
     errors: dict[str, str] = {}
-    bar = _tqdm(total=len(todo), desc=suite.name, unit="cell", disable=not progress, position=0)
+    skipped: list[str] = [c.id for c in cells if c.is_reference and states[c.id][0] == "ok"]
+    bar = _tqdm(total=sum(s != "ok" for s, _ in states.values()), desc=suite.name, unit="cell",
+                disable=not progress, position=0)
     try:
-        # Reference cells first: the others read their draws.
-        for stage in ([c for c in todo if c.is_reference], [c for c in todo if not c.is_reference]):
+        # Reference cells first: the others read their draws, and are decided only once the
+        # references are final (a refitted reference makes the cells scored against it stale).
+        stage: list[Cell] = todo_refs
+        for second in (False, True):
+            if second:
+                stage = []
+                for c in (c for c in cells if not c.is_reference):
+                    state, why = _state(c, cells_root)
+                    if state == "ok":
+                        skipped.append(c.id)
+                        continue
+                    if state == "stale_reference" and states[c.id][0] != state:
+                        log(f"{state}: {c.id}: {why}; it runs again")
+                    stage.append(c)
+                bar.total = len(todo_refs) + len(stage)
+                bar.refresh()
             for outcome in executor.map_unordered(run_cell, [task(c) for c in stage]):
                 (ok if outcome.status == "ok" else failed).append(outcome.cell_id)
                 if outcome.error:
@@ -508,9 +630,13 @@ def run_suite(
                 log(f"{outcome.status:6s} {outcome.cell_id} ({outcome.wall_time_s:.1f} s)"
                     + (f": {outcome.error}" if outcome.error else ""))
                 bar.update(1)
+    except WriteError as e:
+        log(f"stopped: {e}; {len(ok) + len(failed)} cell(s) finished before it are kept")
+        raise
     finally:
         bar.close()
-    return RunSummary(out, len(cells), skipped, tuple(ok), tuple(failed), errors, time.perf_counter() - started)
+    clean_tmp(cells_root, run_id=run_id)
+    return RunSummary(out, len(cells), tuple(skipped), tuple(ok), tuple(failed), errors, time.perf_counter() - started)
 
 
 def _tqdm_write(line: str) -> None:

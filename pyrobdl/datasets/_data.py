@@ -20,12 +20,58 @@ import torch
 __all__ = [
     "ClassificationData",
     "DATA_DIR_ENV_VAR",
+    "FLOAT32_MAX",
+    "MAX_CLASSES",
     "RegressionData",
+    "check_float32_range",
     "resolve_data_dir",
 ]
 
 #: Name of the environment variable consulted when no ``data_dir`` is given.
 DATA_DIR_ENV_VAR = "PYROBDL_DATA_DIR"
+
+#: Most classes a classification dataset may have: the model has one output per class, and a
+#: stray label (e.g. 1,000,000) would otherwise build a network with a million outputs.
+MAX_CLASSES = 1000
+
+#: Largest magnitude a data value may have: models compute in float32.
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def check_float32_range(values: np.ndarray, what: str, columns: object = None) -> None:
+    """Refuse non-finite values and values beyond float32's range, naming where the first one is.
+
+    Values are checked before standardisation: a column near 1e307 overflows the mean and
+    standard deviation in float64 and would come out as all zeros; anything beyond
+    :data:`FLOAT32_MAX` cannot be represented by the model anyway.
+
+    Parameters
+    ----------
+    values : numpy.ndarray
+        A ``[N]`` or ``[N, D]`` array.
+    what : str
+        Names the data in the message (e.g. ``"file data.csv"``).
+    columns : sequence of int, optional
+        The file's column number of each column of ``values`` (default its position).
+
+    Raises
+    ------
+    ValueError
+        Naming the (0-based) row and column of the first offending value, without the value.
+    """
+    a = np.asarray(values, dtype=np.float64)
+    a2 = a.reshape(a.shape[0], -1) if a.ndim else a.reshape(1, 1)
+    names = list(columns) if columns is not None else list(range(a2.shape[1]))
+    bad = ~np.isfinite(a2)
+    if bad.any():
+        r, c = (int(i[0]) for i in np.nonzero(bad))
+        raise ValueError(f"{what}: NaN or infinite value at row {r}, column {names[c]}")
+    big = np.abs(a2) > FLOAT32_MAX
+    if big.any():
+        r, c = (int(i[0]) for i in np.nonzero(big))
+        c = names[c]
+        raise ValueError(f"{what}: value at row {r}, column {c} is beyond float32's range "
+                         f"(|x| > {FLOAT32_MAX:.3g}); rescale the column")
 
 
 def _move(value: object, device: torch.device | str) -> object:
@@ -278,6 +324,9 @@ class ClassificationData:
             raise TypeError(f"`num_classes` must be an int, got {type(self.num_classes).__name__}")
         if self.num_classes < 1:
             raise ValueError(f"`num_classes` must be positive, got {self.num_classes}")
+        if self.num_classes > MAX_CLASSES:
+            raise ValueError(f"`num_classes` is {self.num_classes}; at most {MAX_CLASSES} classes are supported "
+                             "(one model output per class)")
 
     @property
     def input_shape(self) -> tuple[int, ...]:

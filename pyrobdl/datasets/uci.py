@@ -13,7 +13,7 @@ import pathlib
 import numpy as np
 import torch
 
-from ._data import RegressionData, resolve_data_dir
+from ._data import RegressionData, check_float32_range, resolve_data_dir
 
 __all__ = [
     "UCI_DATASETS",
@@ -292,8 +292,7 @@ def load_uci(
             )
     if np.intersect1d(train_rows, test_rows).size:
         raise ValueError(f"train and test rows of split {split} in '{folder}' overlap")
-    if not np.all(np.isfinite(data[:, columns])):
-        raise ValueError(f"'{data_file}' contains non-finite values")
+    check_float32_range(data[:, columns], f"'{data_file}'", columns.tolist())
 
     x_train = data[np.ix_(train_rows, features)]
     x_test = data[np.ix_(test_rows, features)]

@@ -16,6 +16,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+import numpy as np
 import pyro
 import torch
 
@@ -193,6 +194,28 @@ def register_svi_method(
     return register_method(Method(name, {**loop, **guide_options}, run, summary, check_model))
 
 
+def _warn_if_diverged(method: str, posterior: Any) -> None:
+    """Warn when a fit's objective ended far worse than it started (e.g. a learning rate too large).
+
+    The history is the per-step objective, higher is better (the ELBO, or the log joint of a
+    point estimate).  Diverged means: the median over the last tenth of the steps is below the
+    first step's value by more than ``max(1, |first|)``, i.e. more than twice as bad for a
+    negative objective.  A fit that merely stalls, or a noisy stochastic ELBO, stays well clear.
+    """
+    history = getattr(posterior, "history", None)
+    if history is None or len(history) < 10:
+        return
+    h = np.asarray(history, dtype=float)
+    window = max(1, len(h) // 10)
+    start, end = float(h[0]), float(np.median(h[-window:]))
+    if np.isfinite(start) and np.isfinite(end) and end < start - max(1.0, abs(start)):
+        warnings.warn(
+            f"the {method} fit diverged: its objective went from {start:.4g} at the first step to {end:.4g} "
+            f"(median of the last {window} steps); lower lr (now {posterior.settings.get('lr', '?')!r})",
+            UserWarning, stacklevel=3,
+        )
+
+
 def fit(
     model: Any,
     x: Any,
@@ -264,6 +287,8 @@ def fit(
         )
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed must be an int, got {seed!r}")
+    if not 0 <= seed < 2**32:
+        raise ValueError(f"seed must be in 0..2**32-1 (what numpy and torch accept), got {seed}")
     full = {**meth.options, **options}
     if meth.check_model is not None:
         meth.check_model(model, full)
@@ -280,6 +305,7 @@ def fit(
     with _num_threads(n_threads):
         full.update(seed=seed, device=str(dev), threads=torch.get_num_threads())
         posterior = meth.run(model, x, y, full, progress)
+    _warn_if_diverged(method, posterior)
     certification = getattr(posterior, "certification", None)
     if certification is not None and not certification.passed:
         warnings.warn(

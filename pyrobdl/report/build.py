@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from ..compare.store import atomic_write, list_results
+from ..compare.store import atomic_write, scan_results
 from . import figures as _figures
 from . import tables as _tables
 from .model import ReportModel, Section
@@ -119,11 +119,16 @@ def build_model(out: str | Path, title: str | None = None) -> ReportModel:
     Raises
     ------
     pyrobdl.compare.ResultsError
-        If ``out`` holds no results or a record is corrupt (naming the file).
+        If ``out`` holds no results, or a record or an artifact is corrupt (naming the file).
+        Only the cells of the suite stored with the results are read
+        (:func:`pyrobdl.compare.store.scan_results`); the others are listed in the summary.
     """
     out = Path(out)
-    records = list_results(out)
+    records, skipped = scan_results(out)
     summary, overview = _overview(records, out)
+    if skipped:
+        summary.append(f"Skipped {len(skipped)} cell folder(s): " + "; ".join(skipped[:20])
+                       + ("; ..." if len(skipped) > 20 else ""))
     datasets: dict[str, list[Mapping[str, Any]]] = {}
     for r in records:
         datasets.setdefault(r["dataset"], []).append(r)
@@ -155,6 +160,6 @@ def build_report(out: str | Path, *, title: str | None = None) -> ReportFiles:
     model = build_model(out, title)
     html_path = atomic_write(out / "report.html", lambda tmp: tmp.write_text(to_html(model), encoding="utf-8"))
     md_path = atomic_write(out / "report.md", lambda tmp: tmp.write_text(to_markdown(model), encoding="utf-8"))
-    records = list_results(out)
+    records, _ = scan_results(out)
     failed = sum(r.get("status") != "ok" for r in records)
     return ReportFiles(html_path, md_path, len(records), failed)
