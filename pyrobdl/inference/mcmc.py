@@ -547,6 +547,12 @@ class MCMCPosterior(Posterior):
 
     Notes
     -----
+    ``history`` (unless given) is the per-iteration log joint density of the chains' current
+    states, averaged over chains, warm-up included: ``trace.log_joint.mean(0)``, length
+    ``num_warmup + num_samples`` (the per-chain values are in ``trace.log_joint``).  It plays the
+    part the ELBO trace plays for SVI: a rising, then flat, curve shows the chains reaching the
+    typical set.
+
     :meth:`sample` (and so the shared :meth:`Posterior.predict`) is deterministic: the
     ``C * D`` draws are pooled in chain-major order, and ``S`` of them are returned at evenly
     spaced positions :math:`\lfloor i\,CD/S \rfloor` when ``S <= CD`` (a thinned set that
@@ -556,6 +562,8 @@ class MCMCPosterior(Posterior):
 
     def __init__(self, model: Any, samples: Mapping[str, torch.Tensor], trace: SamplerTrace | None = None,
                  **kwargs: Any) -> None:
+        if kwargs.get("history") is None and trace is not None and np.size(trace.log_joint):
+            kwargs["history"] = np.asarray(trace.log_joint, dtype=float).mean(0)
         super().__init__(model, **kwargs)
         shapes = {tuple(v.shape[:2]) for v in samples.values()}
         if len(shapes) != 1:
