@@ -19,6 +19,7 @@ The result, :class:`MCMCPosterior`, keeps every draw and obeys the shared poster
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import warnings
@@ -581,6 +582,28 @@ class MCMCPosterior(Posterior):
             idx_dev = idx.to(v.device)
             out[name] = v.reshape(total, *v.shape[2:])[idx_dev]
         return out
+
+    def _state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        tensors = {f"samples/{k}": v for k, v in self.samples.items()}
+        extra: dict[str, Any] = {"trace": None}
+        if self.trace is not None:
+            fields = {f.name: getattr(self.trace, f.name) for f in dataclasses.fields(self.trace)}
+            extra["trace"] = {"num_warmup": int(fields.pop("num_warmup")),
+                              "present": sorted(k for k, v in fields.items() if v is not None)}
+            tensors.update({f"trace/{k}": torch.from_numpy(np.ascontiguousarray(v))
+                            for k, v in fields.items() if v is not None})
+        return tensors, extra
+
+    @classmethod
+    def _from_state(cls, model: Any, tensors: Mapping[str, torch.Tensor], extra: Mapping[str, Any],
+                    common: Mapping[str, Any]) -> MCMCPosterior:
+        samples = {k.removeprefix("samples/"): v for k, v in tensors.items() if k.startswith("samples/")}
+        trace = None
+        if extra.get("trace") is not None:
+            names = [f.name for f in dataclasses.fields(SamplerTrace) if f.name != "num_warmup"]
+            trace = SamplerTrace(extra["trace"]["num_warmup"], **{
+                k: tensors[f"trace/{k}"].cpu().numpy() if k in extra["trace"]["present"] else None for k in names})
+        return cls(model, samples, trace, **common)
 
     def _chains(self, num_samples: int) -> dict[str, torch.Tensor]:
         """The stored Markov chains, ``[chain, draw, ...]`` (``num_samples`` is ignored)."""
