@@ -9,14 +9,10 @@ is the seed of the data (synthetic sets) or of a random train/test partition (us
 
 from __future__ import annotations
 
-import csv
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
-
-import numpy as np
-import torch
 
 from .. import datasets as _ds
 
@@ -108,73 +104,11 @@ def _check_mnist(options: Mapping[str, Any], base: Path) -> Iterable[tuple[str, 
     yield from _typed({"max_train": (int,)})(options, base)
 
 
-def _read_table(path: Path, target: Any, delimiter: str) -> tuple[np.ndarray, np.ndarray]:
-    """Features and target column of a CSV (with header) or NPZ file."""
-    if path.suffix == ".npz":
-        with np.load(path) as data:
-            if "x" in data and "y" in data:
-                return np.asarray(data["x"], dtype=float), np.asarray(data["y"])
-            if len(data.files) != 1 or not isinstance(target, int):
-                raise ValueError(
-                    f"{path}: an NPZ file needs arrays 'x' and 'y', or one 2-D array and an integer "
-                    f"`target` column; found arrays {data.files}"
-                )
-            table = np.asarray(data[data.files[0]], dtype=float)
-            header = [str(i) for i in range(table.shape[1])]
-    else:
-        with path.open(newline="") as fh:
-            rows = list(csv.reader(fh, delimiter=delimiter))
-        if len(rows) < 2:
-            raise ValueError(f"{path}: needs a header row and at least one data row")
-        header = [h.strip() for h in rows[0]]
-        try:
-            table = np.array([[float(v) for v in r] for r in rows[1:] if r], dtype=float)
-        except ValueError as e:
-            raise ValueError(f"{path}: non-numeric value ({e})") from e
-    if table.ndim != 2:
-        raise ValueError(f"{path}: expected a 2-D table, got shape {table.shape}")
-    if isinstance(target, int):
-        if not 0 <= target < table.shape[1]:
-            raise ValueError(f"{path}: target column {target} out of range 0..{table.shape[1] - 1}")
-        col = target
-    else:
-        if target not in header:
-            raise ValueError(f"{path}: no column named {target!r}; columns: {header}")
-        col = header.index(target)
-    return np.delete(table, col, axis=1), table[:, col]
-
-
 def _load_file(options: Mapping[str, Any], split: int, data_dir: Any, base: Path) -> Any:
     path = Path(options["path"]).expanduser()
-    path = path if path.is_absolute() else base / path
-    x, y = _read_table(path, options["target"], options["delimiter"])
-    if not np.isfinite(x).all() or not np.isfinite(y.astype(float)).all():
-        raise ValueError(f"{path}: contains NaN or infinite values")
-    n = x.shape[0]
-    rng = np.random.default_rng(split)
-    perm = rng.permutation(n)
-    n_test = max(1, int(round(options["test_fraction"] * n)))
-    test, train = perm[:n_test], perm[n_test:]
-    if train.size < 2:
-        raise ValueError(f"{path}: too few rows ({n}) for test_fraction={options['test_fraction']}")
-    x_mean, x_std = x[train].mean(0), x[train].std(0)
-    x_std = np.where(x_std > 0, x_std, 1.0)
-    if not options["standardize"]:
-        x_mean, x_std = np.zeros_like(x_mean), np.ones_like(x_std)
-    xs = torch.as_tensor((x - x_mean) / x_std, dtype=torch.float32)
-    name = path.stem
-    if options["task"] == "classification":
-        if not np.all(y == np.round(y)) or y.min() < 0:
-            raise ValueError(f"{path}: classification targets must be integer labels >= 0")
-        labels = torch.as_tensor(y.astype(np.int64))
-        return _ds.ClassificationData(name, xs[train], labels[train], xs[test], labels[test], int(y.max()) + 1)
-    y_mean, y_std = (float(y[train].mean()), float(y[train].std())) if options["standardize"] else (0.0, 1.0)
-    y_std = y_std if y_std > 0 else 1.0
-    ys = torch.as_tensor((y - y_mean) / y_std, dtype=torch.float32)
-    return _ds.RegressionData(
-        name, xs[train], ys[train], xs[test], ys[test], y_mean=y_mean, y_std=y_std,
-        x_mean=torch.as_tensor(x_mean, dtype=torch.float32), x_std=torch.as_tensor(x_std, dtype=torch.float32),
-    )
+    return _ds.load_csv(path if path.is_absolute() else base / path, options["target"], task=options["task"],
+                        test_fraction=options["test_fraction"], split=split, delimiter=options["delimiter"],
+                        standardize=options["standardize"])
 
 
 def _check_file(options: Mapping[str, Any], base: Path) -> Iterable[tuple[str, str]]:
