@@ -202,11 +202,12 @@ def test_report_says_when_the_reference_is_not_certified_and_greys_agreement(tmp
     md, html = files.markdown.read_text(), files.html.read_text()
     agreement = md.split("### Agreement with the reference posterior")[1].split("###")[0]
     # in words, above the table, with the reference's own failures
-    sentence = (f"The reference (nuts) is NOT certified: {FAILURE}; bulk ESS 7 < 400 at 50 of 50 points; "
+    # report.md escapes "<" (HTML): "bulk ESS 7 &lt; 400"
+    sentence = (f"The reference (nuts) is NOT certified: {FAILURE}; bulk ESS 7 &lt; 400 at 50 of 50 points; "
                 "agreement numbers below mean nothing and are greyed (†).")
     assert agreement.lstrip().startswith(f"**{sentence}**")
     # the numbers are marked, with a footnote; the flag key is not an agreement number
-    assert "| dropout | 2 | 0.2 ± 0.1 † |" in agreement
+    assert "| dropout | 2 | 0.200 ± 0.100 † |" in agreement
     assert "† computed against a reference posterior that is not certified" in agreement
     assert "reference_certified" not in agreement.split("\n\n")[2]  # the header row of the table
     # the reference's row is marked, here and in the main table
@@ -214,10 +215,10 @@ def test_report_says_when_the_reference_is_not_certified_and_greys_agreement(tmp
     assert "| **nuts (reference)** | 1 |" in md
     # the same numbers in the table of all test metrics are marked too
     everything = md.split("### All test metrics")[1].split("###")[0]
-    assert "| w2 | 0.2 ± 0.1 † |" in everything
+    assert "| w2 | 0.200 ± 0.100 † |" in everything
     # HTML: the sentence as a warning, greyed cells, a marked row
     assert '<p class="preface warning">' in html and "NOT certified" in html
-    assert '<td class="uncertified">0.2 ± 0.1 †</td>' in html
+    assert '<td class="uncertified">0.200 ± 0.100 †</td>' in html
     assert '<tr class="reference"><td>nuts (reference)</td>' in html
     assert "td.uncertified" in html  # styled by the page's own CSS
     # the section says it in words as well
@@ -229,7 +230,7 @@ def test_report_of_a_certified_reference_marks_nothing(tmp_path):
     md, html = files.markdown.read_text(), files.html.read_text()
     agreement = md.split("### Agreement with the reference posterior")[1].split("###")[0]
     assert agreement.lstrip().startswith("The reference (nuts) is certified: function-space R-hat")
-    assert "| dropout | 2 | 0.2 ± 0.1 |" in agreement
+    assert "| dropout | 2 | 0.200 ± 0.100 |" in agreement
     assert "†" not in md and 'class="uncertified"' not in html and "preface warning" not in html
     assert '<p class="preface">The reference (nuts) is certified' in html
     assert "| **nuts (reference)** |" in agreement
@@ -242,7 +243,7 @@ def test_report_of_a_reference_without_certification(tmp_path, runner_flag):
     md = build_report(with_reference(tmp_path, passed=None, runner_flag=runner_flag)).markdown.read_text()
     assert ("**The reference (nuts) is NOT certified: no certification recorded; agreement numbers below mean "
             "nothing and are greyed (†).**") in md
-    assert "| dropout | 2 | 0.2 ± 0.1 † |" in md
+    assert "| dropout | 2 | 0.200 ± 0.100 † |" in md
 
 
 @pytest.mark.skipif(not CHROMIUM.exists(), reason="headless Chromium (/usr/bin/chromium) not installed")
@@ -259,3 +260,72 @@ def test_html_renders_in_headless_chromium(results, tmp_path):
                     "--window-size=1200,3000", page.as_uri()], capture_output=True, timeout=120, check=True)
     assert shot.stat().st_size > 10_000
     shutil.rmtree(tmp_path / "res", ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- verdicts and tables
+def verdict_results(tmp_path: Path, *, label_b: str = "cheap") -> Path:
+    """A nuts reference (not certified, tree depth saturated) and three methods on one dataset:
+    'good' best on test LL, ``label_b`` within 0.1 of it at a fifth of the CPU time, 'bad'
+    overconfident with a still-rising ELBO."""
+    ref_id, ref, ref_arrays = record("toy", "nuts", 0, metrics={"test_ll": 0.60, "coverage_90": 0.9},
+                                     diagnostics={"max_tree_depth_fraction": [1.0, 0.5], "divergences": [0, 0]})
+    ref.update(is_reference=True, certification=certification(False))
+    items = [(ref_id, ref, ref_arrays)]
+    converged = -10 - 90 * np.exp(-np.arange(200) / 10)
+    for method, ll, cov, cpu, hist in (("good", 0.70, 0.88, 10.0, converged), (label_b, 0.65, 0.91, 2.0, converged),
+                                       ("bad", -40.0, 0.14, 5.0, np.linspace(-500, -10, 200))):
+        cid, rec, arrays = record("toy", method, 0, metrics={"test_ll": ll, "coverage_90": cov, "w2": abs(ll) / 10},
+                                  reference_used=True, history=hist)
+        rec["reference"].update(cell=ref_id, certified=False)
+        rec["cost"]["cpu_time_s"] = cpu
+        items.append((cid, rec, arrays))
+    items[0][1]["cost"]["cpu_time_s"] = 50.0
+    return store(tmp_path / "res", items)
+
+
+def test_each_dataset_opens_with_a_verdict(tmp_path):
+    files = build_report(verdict_results(tmp_path))
+    md, html = files.markdown.read_text(), files.html.read_text()
+    section = md.split("## Dataset toy")[1]
+    verdict = section.split("**Verdict**")[1].split("\n\n")[1]
+    lines = verdict.splitlines()
+    assert section.lstrip().startswith("**Verdict**")  # before anything else of the section
+    assert lines[0].startswith(f"- Reference posterior: nuts, NOT certified ({FAILURE}; bulk ESS 7 &lt; 400")
+    assert "- Best test_ll (higher is better): good, 0.7." in lines
+    # 'cheap' is within 0.1 nats of the best and costs 2 CPU s against 10
+    assert "- Cheapest within 0.1 of the best test_ll: cheap (test_ll 0.65, 2 CPU s per fit)." in lines
+    assert any(x.startswith("- Closest to the reference (w2, lower is better): cheap, 0.065 (against an uncertified")
+               for x in lines)
+    flags = {x.split(" — ")[0]: x for x in lines if x.startswith("- Flagged: ")}
+    assert set(flags) == {"- Flagged: bad", "- Flagged: nuts"}
+    assert "overconfident: its 90% predictive intervals cover 14% of test points" in flags["- Flagged: bad"]
+    assert "not converged: the objective still improved" in flags["- Flagged: bad"]
+    assert "not certified (1 of 1 cells)" in flags["- Flagged: nuts"]
+    assert "maximum tree depth on up to 100% of sampling iterations" in flags["- Flagged: nuts"]
+    assert '<div class="verdict">' in html and "Cheapest within 0.1" in html
+
+
+def test_main_table_is_ordered_marked_and_formatted(tmp_path):
+    md = build_report(verdict_results(tmp_path)).markdown.read_text()
+    table = md.split("### Predictive quality and cost")[1].split("\n\n")[1].splitlines()
+    assert table[0].startswith("| method | cells | test_ll ↑ | coverage_90 (→ 0.9) | CPU time (s) ↓ |")
+    # best first on test LL, the reference marked wherever it falls; one number format per column
+    assert [r.split(" | ")[0] for r in table[2:]] == ["| good", "| cheap", "| **nuts (reference)**", "| bad"]
+    assert [r.split(" | ")[2] for r in table[2:]] == ["0.700", "0.650", "0.600", "-40.000"]
+    assert "±" not in "\n".join(table)  # one cell per method: no standard errors
+    assert "One cell (split and seed) per method: single values, no standard error." in md
+
+
+def test_long_tables_are_folded_and_key_diagnostics_come_first(tmp_path):
+    files = build_report(verdict_results(tmp_path))
+    html, md = files.html.read_text(), files.markdown.read_text()
+    assert "<details>\n<summary>All test metrics" in html
+    assert "### Key diagnostics" in md and md.index("### Key diagnostics") < md.index("### All test metrics (details)")
+    key = md.split("### Key diagnostics")[1].split("\n\n")[1]
+    assert "max_tree_depth_fraction" in key and "divergences" in key
+
+
+def test_markdown_escapes_html(tmp_path):
+    md = build_report(verdict_results(tmp_path, label_b="<img src=x onerror=alert(1)>")).markdown.read_text()
+    assert "<img" not in md, [line for line in md.splitlines() if "<img" in line]
+    assert "| &lt;img src=x onerror=alert(1)> | 1 |" in md  # the row is there, as text

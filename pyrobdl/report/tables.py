@@ -26,17 +26,23 @@ from .published import PUBLISHED, PublishedRow
 
 __all__ = [
     "HIGHER_IS_BETTER",
+    "KEY_DIAGNOSTICS",
     "KEY_METRICS",
     "METRIC_GROUPS",
     "REFERENCE_CERTIFIED",
     "UNCERTIFIED_MARK",
     "agreement_table",
     "all_metrics_table",
+    "arrow",
     "cost_rows",
+    "decimals_for",
     "diagnostics_table",
+    "diagnostics_tables",
     "exact_table",
     "failures_table",
     "fmt",
+    "fmt_column",
+    "fmt_fixed",
     "gradient_variance_tables",
     "main_table",
     "mean_se",
@@ -55,8 +61,15 @@ KEY_METRICS = (
     "rmse", "test_ll", "test_error", "accuracy", "nll", "ece", "brier", "crps",
     "coverage_90", "pit_calibration_error",
 )
-#: Direction of metrics used in verdicts and in the quality-versus-cost figure.
-HIGHER_IS_BETTER = {"rmse": False, "test_ll": True, "test_error": False, "accuracy": True, "nll": False}
+#: Direction of metrics used in verdicts, in column headers (↑/↓) and in the figures.
+HIGHER_IS_BETTER = {
+    "rmse": False, "test_ll": True, "test_error": False, "accuracy": True, "nll": False, "ece": False,
+    "brier": False, "crps": False, "pit_calibration_error": False, "loo_ll": True,
+    "w2_to_reference": False, "w2_function_to_reference": False, "kl_gaussian_to_reference": False,
+}
+#: Diagnostics shown first (the rest are folded): substrings of the flattened diagnostic name.
+KEY_DIAGNOSTICS = ("rhat", "ess_bulk", "ess_tail", "divergences", "tree_depth", "cap_hits", "pareto_k", "ebfmi",
+                   "certification.passed")
 #: Metrics derived from stored ones for comparison with published numbers.
 DERIVED = {"test_error": ("accuracy", lambda a: 1.0 - a)}
 #: Key of ``pyrobdl.diagnostics.evaluate`` saying whether the reference was certified (1.0 / 0.0):
@@ -95,6 +108,54 @@ def fmt_mean_se(mean: float, se: float) -> str:
     if not _finite(mean):
         return "—"
     return fmt(mean) if not _finite(se) else f"{fmt(mean)} ± {fmt(se, 2)}"
+
+
+def decimals_for(values: Iterable[Any]) -> int | None:
+    """Decimals that give the column's median magnitude three significant figures (0 to 6), so
+    every number of a column is written alike; None when the column is better in e-notation
+    (a median below 1e-4)."""
+    mags = np.asarray([abs(v) for v in values if _finite(v) and v != 0], dtype=float)
+    if mags.size == 0:
+        return 2
+    med = float(np.median(mags))
+    if med < 1e-4:
+        return None
+    return int(min(6, max(0, 2 - math.floor(math.log10(med)))))
+
+
+def fmt_fixed(v: Any, decimals: int | None) -> str:
+    """``v`` with ``decimals`` decimals (thousands separated); e-notation when None."""
+    if not _finite(v):
+        return "—" if v is None else str(v)
+    if decimals is None:
+        return f"{v:.2e}"
+    return f"{v:,.{decimals}f}"
+
+
+def fmt_column(stats: Sequence[tuple[float, float, int]]) -> list[str]:
+    """Cells of one column of ``(mean, se, n)``: one number format for the whole column,
+    "± s.e." only where n > 1."""
+    d = decimals_for([m for m, _, _ in stats])
+    return ["—" if not _finite(m) else fmt_fixed(m, d) + (f" ± {fmt_fixed(se, d)}" if n > 1 and _finite(se) else "")
+            for m, se, n in stats]
+
+
+def arrow(metric: str) -> str:
+    """``metric`` with ↑ (higher is better) or ↓ (lower is better) when its direction is known."""
+    if metric in HIGHER_IS_BETTER:
+        return f"{metric} {'↑' if HIGHER_IS_BETTER[metric] else '↓'}"
+    if metric.startswith("coverage_"):
+        return f"{metric} (→ {int(metric.split('_')[1]) / 100:g})"
+    return metric
+
+
+def se_note(groups: Mapping[str, Sequence[Any]]) -> str:
+    """How to read the numbers: a single cell each, or mean ± s.e. over how many."""
+    counts = sorted({len(v) for v in groups.values()})
+    if counts == [1]:
+        return "One cell (split and seed) per method: single values, no standard error."
+    return (f"Mean over splits and seeds ({', '.join(map(str, counts))} cells per method) ± standard error "
+            "where there is more than one cell.")
 
 
 def ok_records(records: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
@@ -280,29 +341,47 @@ def cost_rows(records: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, tuple
 
 
 def main_table(records: Sequence[Mapping[str, Any]]) -> Table:
-    """Methods x key metrics (mean ± s.e.) and cost, with applicable published rows below."""
+    """Methods x key metrics and cost, best first on the headline metric, the reference marked;
+    applicable published rows below."""
     oks = ok_records(records)
     present = set(_metric_keys(oks)) | {k for k, (src, _) in DERIVED.items() if src in _metric_keys(oks)}
     keys = [k for k in KEY_METRICS if k in present]
-    columns = ("method", "cells", *keys, "fit time (s)", "gradient evals", "device")
-    rows, kinds = [], []
-    costs = cost_rows(oks)
+    groups = by_method(oks)
+    headline = next((k for k in ("test_ll", "accuracy", "nll", "rmse") if k in keys), None)
+    if headline is not None:
+        sign = -1.0 if HIGHER_IS_BETTER[headline] else 1.0
+
+        def order(label: str) -> tuple[float, str]:
+            m = mean_se(metric_values(groups[label], headline))[0]
+            return (sign * m if _finite(m) else math.inf, label)
+
+        groups = {label: groups[label] for label in sorted(groups, key=order)}
+    columns = ("method", "cells", *[arrow(k) for k in keys], "CPU time (s) ↓", "wall time (s)", "gradient evals ↓",
+               "device")
     refs = set(reference_methods(records))
-    for label, recs in by_method(oks).items():
-        cells = [fmt_mean_se(*mean_se(metric_values(recs, k))[:2]) for k in keys]
-        c = costs[label]
+    stats = {k: [mean_se(metric_values(recs, k)) for recs in groups.values()] for k in keys}
+    cost_keys = ("cpu_time_s", "wall_time_s", "gradient_evaluations")
+    for c in cost_keys:
+        stats[c] = [mean_se([(r.get("cost") or {}).get(c) for r in recs]) for recs in groups.values()]
+    cells = {k: fmt_column(v) for k, v in stats.items()}
+    cells["gradient_evaluations"] = [fmt_fixed(m, 0) if _finite(m) else "—" for m, _, _ in stats["gradient_evaluations"]]
+    rows, kinds = [], []
+    for i, (label, recs) in enumerate(groups.items()):
         devices = sorted({str((r.get("cost") or {}).get("device", "")) for r in recs})
-        rows.append((f"{label} (reference)" if label in refs else label, str(len(recs)), *cells,
-                     fmt_mean_se(*c["wall_time_s"][:2]), fmt(c["gradient_evaluations"][0]), ", ".join(devices)))
+        rows.append((f"{label} (reference)" if label in refs else label, str(len(recs)),
+                     *[cells[k][i] for k in keys], *[cells[c][i] for c in cost_keys], ", ".join(devices)))
         kinds.append("reference" if label in refs else "ours")
-    for row, ds_key, labels in published_rows(oks):
+    pubs = published_rows(oks)
+    for row, ds_key, labels in pubs:
         vals = row.results.get(ds_key, {})
-        cells = [fmt_mean_se(*vals[k]) if k in vals else "" for k in keys]
-        rows.append((f"{row.label} [published; cf. {', '.join(labels)}]", "", *cells, "", "", ""))
+        pcells = [fmt_mean_se(*vals[k]) if k in vals else "" for k in keys]
+        rows.append((f"{row.label} [published; cf. {', '.join(labels)}]", "", *pcells, "", "", "", ""))
         kinds.append("published")
-    note = ("Mean ± standard error over splits and seeds. Published rows: " +
-            "; ".join(f"{row.label}: {row.source}" for row, _, _ in published_rows(oks))) if published_rows(oks) else \
-        "Mean ± standard error over splits and seeds."
+    note = (f"Best first on {headline}. " if headline else "") + se_note(groups) + (
+        " ↑ higher is better, ↓ lower is better; coverage_p should be near p. CPU time: the fit's process "
+        "CPU seconds (wall time on a shared machine also measures other jobs).")
+    if pubs:
+        note += " Published rows: " + "; ".join(f"{row.label}: {row.source}" for row, _, _ in pubs)
     return Table("Predictive quality and cost", columns, tuple(rows), tuple(kinds), note)
 
 
@@ -337,7 +416,7 @@ def published_table(records: Sequence[Mapping[str, Any]]) -> Table | None:
 
 def all_metrics_table(records: Sequence[Mapping[str, Any]], keys: Sequence[str] | None = None,
                       title: str = "All test metrics", note: str = "", group: str = "metrics",
-                      agreement_keys: Iterable[str] = ()) -> Table | None:
+                      agreement_keys: Iterable[str] = (), collapsed: bool = False) -> Table | None:
     """Metrics (rows) x methods (columns), mean ± s.e.; ``keys`` restricts the metrics of ``group``.
 
     Cells of ``agreement_keys`` computed against a reference that is not certified are marked
@@ -351,14 +430,14 @@ def all_metrics_table(records: Sequence[Mapping[str, Any]], keys: Sequence[str] 
     flagged, index = set(agreement_keys), _index(records)
     rows, cell_kinds = [], []
     for k in keys:
-        cells = [_flag(fmt_mean_se(*mean_se(metric_values(recs, k))[:2]), k in flagged and _uncertified(recs, k, index))
-                 for recs in groups.values()]
-        rows.append((k, *[c for c, _ in cells]))
+        texts = fmt_column([mean_se(metric_values(recs, k)) for recs in groups.values()])
+        cells = [_flag(t, k in flagged and _uncertified(recs, k, index)) for t, recs in zip(texts, groups.values())]
+        rows.append((arrow(k), *[c for c, _ in cells]))
         cell_kinds.append(("", *[kind for _, kind in cells]))
-    note = note or "Mean ± standard error over splits and seeds."
+    note = (note + " " if note else "") + se_note(groups)
     if any("uncertified" in kinds for kinds in cell_kinds):
         note += " " + UNCERTIFIED_NOTE
-    return Table(title, ("metric", *groups), tuple(rows), (), note, tuple(cell_kinds))
+    return Table(title, ("metric", *groups), tuple(rows), (), note, tuple(cell_kinds), collapsed=collapsed)
 
 
 def agreement_table(records: Sequence[Mapping[str, Any]], keys: Sequence[str] | None = None) -> Table | None:
@@ -375,11 +454,14 @@ def agreement_table(records: Sequence[Mapping[str, Any]], keys: Sequence[str] | 
     index = _index(records)
     refs = set(reference_methods(records))
     rows, kinds, cell_kinds = [], [], []
-    for label, recs in by_method(oks).items():
-        used = [r for r in recs if (r.get("reference") or {}).get("used")]
-        if not used and label not in refs:
-            continue
-        cells = [_flag(fmt_mean_se(*mean_se(metric_values(used, k))[:2]), _uncertified(used, k, index)) for k in keys]
+    kept = {label: [r for r in recs if (r.get("reference") or {}).get("used")] for label, recs in by_method(oks).items()}
+    kept = {label: used for label, used in kept.items() if used or label in refs}
+    # closest first on the first key
+    kept = dict(sorted(kept.items(), key=lambda kv: (kv[0] not in refs,
+                                                     _sort_value(mean_se(metric_values(kv[1], keys[0]))[0]), kv[0])))
+    texts = {k: fmt_column([mean_se(metric_values(used, k)) for used in kept.values()]) for k in keys}
+    for i, (label, used) in enumerate(kept.items()):
+        cells = [_flag(texts[k][i], _uncertified(used, k, index)) for k in keys]
         rows.append((f"{label} (reference)" if label in refs else label, str(len(used)), *[c for c, _ in cells]))
         kinds.append("reference" if label in refs else "ours")
         cell_kinds.append(("", "", *[kind for _, kind in cells]))
@@ -390,8 +472,13 @@ def agreement_table(records: Sequence[Mapping[str, Any]], keys: Sequence[str] | 
             "the cells evaluated against it (the reference method's own row: its other seeds, the noise floor).")
     if not certified:
         note += " " + UNCERTIFIED_NOTE
-    return Table("Agreement with the reference posterior", ("method", "cells", *keys), tuple(rows), tuple(kinds),
+    return Table("Agreement with the reference posterior", ("method", "cells", *[arrow(k) for k in keys]),
+                 tuple(rows), tuple(kinds),
                  note, tuple(cell_kinds), preface, "" if certified else "warning")
+
+
+def _sort_value(v: float) -> float:
+    return v if _finite(v) else math.inf
 
 
 def exact_table(records: Sequence[Mapping[str, Any]]) -> Table | None:
@@ -436,29 +523,51 @@ def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def diagnostics_table(records: Sequence[Mapping[str, Any]]) -> Table | None:
-    """Method diagnostics stored with the fits (e.g. MCMC R-hat, ESS, divergences), per method.
+def _is_key_diagnostic(name: str) -> bool:
+    return any(k in name for k in KEY_DIAGNOSTICS) and not name.startswith("certification.criteria.")
+
+
+def diagnostics_tables(records: Sequence[Mapping[str, Any]]) -> list[Table]:
+    """Method diagnostics stored with the fits, per method: the key ones (R-hat, ESS,
+    divergences, tree-depth or step-cap saturation, E-BFMI, Pareto k̂; see
+    :data:`KEY_DIAGNOSTICS`) in one table, the rest folded in a second.
 
     Each scalar diagnostic is averaged over cells; list-valued ones (one value per chain) are
     first averaged over their entries, and the range over cells and entries is shown beside.
     """
-    rows = []
+    key_rows, other_rows = [], []
     for label, recs in by_method(ok_records(records)).items():
         # the certification's thresholds are the same for every cell: not diagnostics
         flat = [{k: v for k, v in _flatten(r.get("diagnostics") or {}).items()
                  if not k.startswith("certification.criteria.")} for r in recs]
-        for key in sorted({k for f in flat for k in f}):
+        for key in sorted({k for f in flat for k in f}, key=lambda k: (not _is_key_diagnostic(k), k)):
             vals = [f[key] for f in flat if key in f]
             summ = [s for s in (_summarise(v) for v in vals) if s is not None]
             if not summ:
                 continue
             entries = np.asarray([x for v in vals for x in np.ravel(np.asarray(v, dtype=object)) if _finite(x)], dtype=float)
             m, se, n = mean_se(summ)
-            rows.append((label, key, fmt_mean_se(m, se), f"[{fmt(entries.min())}, {fmt(entries.max())}]", str(n)))
+            row = (label, key, fmt_mean_se(m, se), f"[{fmt(entries.min())}, {fmt(entries.max())}]", str(n))
+            (key_rows if _is_key_diagnostic(key) else other_rows).append(row)
+    columns = ("method", "diagnostic", "mean (± s.e. over cells)", "range", "cells")
+    note = "As reported by each method in posterior.diagnostics (per-chain lists averaged)."
+    tables = []
+    if key_rows:
+        tables.append(Table("Key diagnostics", columns, tuple(key_rows), (),
+                            note + " R-hat should be below 1.01, bulk/tail ESS at least 400 (certification), "
+                                   "divergences 0, tree-depth/step-cap saturation 0, E-BFMI above 0.2."))
+    if other_rows:
+        tables.append(Table("All method diagnostics", columns, tuple(other_rows), (), note, collapsed=True))
+    return tables
+
+
+def diagnostics_table(records: Sequence[Mapping[str, Any]]) -> Table | None:
+    """Every method diagnostic in one table (see :func:`diagnostics_tables` for the split view)."""
+    rows = tuple(r for t in diagnostics_tables(records) for r in t.rows)
     if not rows:
         return None
-    return Table("Method diagnostics", ("method", "diagnostic", "mean ± s.e. over cells", "range", "cells"),
-                 tuple(rows), (), "As reported by each method in posterior.diagnostics (per-chain lists averaged).")
+    return Table("Method diagnostics", ("method", "diagnostic", "mean (± s.e. over cells)", "range", "cells"), rows, (),
+                 "As reported by each method in posterior.diagnostics (per-chain lists averaged).")
 
 
 def gradient_variance_tables(records: Sequence[Mapping[str, Any]]) -> list[Table]:
