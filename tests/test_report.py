@@ -329,3 +329,44 @@ def test_markdown_escapes_html(tmp_path):
     md = build_report(verdict_results(tmp_path, label_b="<img src=x onerror=alert(1)>")).markdown.read_text()
     assert "<img" not in md, [line for line in md.splitlines() if "<img" in line]
     assert "| &lt;img src=x onerror=alert(1)> | 1 |" in md  # the row is there, as text
+
+
+# ----------------------------------------------------------------------------- figure helpers
+def test_pareto_front():
+    from pyrobdl.report.figures import pareto_front
+
+    # (cost, quality): 0 cheap and poor, 1 dominated by 0 (dearer and worse), 2 dear and best,
+    # 3 between; equal cost: the better one only
+    pts = [(1.0, 0.1), (2.0, 0.0), (100.0, 0.9), (10.0, 0.5), (10.0, 0.4)]
+    assert pareto_front(pts, higher_is_better=True) == [0, 3, 2]
+    assert pareto_front([(c, -q) for c, q in pts], higher_is_better=False) == [0, 3, 2]
+
+
+def test_adaptive_reliability_bins_have_equal_counts():
+    from pyrobdl.report.figures import adaptive_reliability
+
+    rng = np.random.default_rng(0)
+    p = rng.uniform(0.5, 1.0, 57)
+    correct = (rng.uniform(size=57) < p).astype(float)
+    conf, acc, count = adaptive_reliability(p, correct)
+    assert count.tolist() == [19.0, 19.0] or count.tolist() == [29.0, 28.0]  # 57 // 20 = 2 bins
+    assert count.sum() == 57 and np.all(np.diff(conf) > 0)
+    np.testing.assert_allclose((acc * count).sum(), correct.sum())
+    assert len(adaptive_reliability(rng.uniform(size=1000), np.ones(1000))[2]) == 10
+
+
+def test_training_gap():
+    from pyrobdl.report.figures import training_gap
+
+    x = np.concatenate([np.linspace(-1, -0.4, 30), np.linspace(0.4, 1, 30)])
+    assert training_gap(x) == pytest.approx((-0.4, 0.4))
+    assert training_gap(np.linspace(-1, 1, 60)) is None
+
+
+def test_quality_vs_cost_draws_off_scale_methods_with_their_value(tmp_path):
+    from pyrobdl.compare import list_results
+    from pyrobdl.report.figures import quality_vs_cost
+
+    fig = quality_vs_cost(list_results(verdict_results(tmp_path)), "toy")
+    assert "Off the scale (hollow triangles at the edge, value beside them): bad = -40." in fig.caption
+    assert "process CPU seconds" in fig.caption and "Pareto front" in fig.caption
