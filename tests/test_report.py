@@ -376,7 +376,10 @@ def test_long_tables_are_folded_and_key_diagnostics_come_first(tmp_path):
     assert "<details>\n<summary>All test metrics" in html
     assert "### Key diagnostics" in md and md.index("### Key diagnostics") < md.index("### All test metrics (details)")
     key = md.split("### Key diagnostics")[1].split("\n\n")[1]
-    assert "max_tree_depth_fraction" in key and "divergences" in key
+    # methods x the diagnostics to check; saturation is the worst chain's (1.0 and 0.5 -> 1)
+    assert key.splitlines()[0] == "| method | divergences ↓ | tree depth hit (fraction) ↓ |"
+    assert "| nuts | 0 | 1 |" in key
+    assert "max_tree_depth_fraction" in md.split("### All method diagnostics (details)")[1]
 
 
 def test_markdown_escapes_html(tmp_path):

@@ -21,6 +21,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from .formatting import _finite, decimals_for, fmt, fmt_column, fmt_fixed, fmt_mean_se, mean_se
 from .model import Table
 from .published import PUBLISHED, PublishedRow
 
@@ -67,9 +68,19 @@ HIGHER_IS_BETTER = {
     "brier": False, "crps": False, "pit_calibration_error": False, "loo_ll": True,
     "w2_to_reference": False, "w2_function_to_reference": False, "kl_gaussian_to_reference": False,
 }
-#: Diagnostics shown first (the rest are folded): substrings of the flattened diagnostic name.
-KEY_DIAGNOSTICS = ("rhat", "ess_bulk", "ess_tail", "divergences", "tree_depth", "cap_hits", "pareto_k", "ebfmi",
-                   "certification.passed")
+#: The diagnostics a reader must check, as (column header, where it is read from): a flattened
+#: ``diagnostics`` key or a ``train_metrics`` key.  Everything else is folded.
+KEY_DIAGNOSTICS = (
+    ("R-hat (function) ↓", "function_space.rhat_max"),
+    ("bulk ESS (function) ↑", "function_space.ess_bulk_min"),
+    ("tail ESS (function) ↑", "function_space.ess_tail_min"),
+    ("divergences ↓", "divergences"),
+    ("tree depth hit (fraction) ↓", "max_tree_depth_fraction"),
+    ("step cap hits ↓", "num_steps_cap_hits_sampling"),
+    ("E-BFMI ↑", "ebfmi"),
+    ("PSIS-LOO max k̂ ↓", "loo_pareto_k_max"),
+    ("VI k̂ ↓", "vi_pareto_k"),
+)
 #: Metrics derived from stored ones for comparison with published numbers.
 DERIVED = {"test_error": ("accuracy", lambda a: 1.0 - a)}
 #: Key of ``pyrobdl.diagnostics.evaluate`` saying whether the reference was certified (1.0 / 0.0):
@@ -78,66 +89,6 @@ REFERENCE_CERTIFIED = "reference_certified"
 #: Appended to a number computed against a reference that is not certified.
 UNCERTIFIED_MARK = " †"
 UNCERTIFIED_NOTE = "† computed against a reference posterior that is not certified: the number means nothing."
-
-
-def _finite(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def fmt(v: Any, digits: int = 4) -> str:
-    """A number with ``digits`` significant digits; "—" for missing or non-finite values."""
-    if not _finite(v):
-        return "—" if v is None else str(v)
-    if v != 0 and (abs(v) >= 1e6 or abs(v) < 1e-3):
-        return f"{v:.{digits - 1}e}"
-    return f"{v:.{digits}g}"
-
-
-def mean_se(values: Sequence[float]) -> tuple[float, float, int]:
-    """Mean, standard error (NaN for one value) and count of the finite ``values``."""
-    vals = np.asarray([v for v in values if _finite(v)], dtype=float)
-    n = vals.size
-    if n == 0:
-        return math.nan, math.nan, 0
-    se = float(vals.std(ddof=1) / math.sqrt(n)) if n > 1 else math.nan
-    return float(vals.mean()), se, n
-
-
-def fmt_mean_se(mean: float, se: float) -> str:
-    """``mean ± se`` (just the mean when the s.e. is unknown)."""
-    if not _finite(mean):
-        return "—"
-    return fmt(mean) if not _finite(se) else f"{fmt(mean)} ± {fmt(se, 2)}"
-
-
-def decimals_for(values: Iterable[Any]) -> int | None:
-    """Decimals that give the column's median magnitude three significant figures (0 to 6), so
-    every number of a column is written alike; None when the column is better in e-notation
-    (a median below 1e-4)."""
-    mags = np.asarray([abs(v) for v in values if _finite(v) and v != 0], dtype=float)
-    if mags.size == 0:
-        return 2
-    med = float(np.median(mags))
-    if med < 1e-4:
-        return None
-    return int(min(6, max(0, 2 - math.floor(math.log10(med)))))
-
-
-def fmt_fixed(v: Any, decimals: int | None) -> str:
-    """``v`` with ``decimals`` decimals (thousands separated); e-notation when None."""
-    if not _finite(v):
-        return "—" if v is None else str(v)
-    if decimals is None:
-        return f"{v:.2e}"
-    return f"{v:,.{decimals}f}"
-
-
-def fmt_column(stats: Sequence[tuple[float, float, int]]) -> list[str]:
-    """Cells of one column of ``(mean, se, n)``: one number format for the whole column,
-    "± s.e." only where n > 1."""
-    d = decimals_for([m for m, _, _ in stats])
-    return ["—" if not _finite(m) else fmt_fixed(m, d) + (f" ± {fmt_fixed(se, d)}" if n > 1 and _finite(se) else "")
-            for m, se, n in stats]
 
 
 def arrow(metric: str) -> str:
@@ -523,47 +474,71 @@ def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _is_key_diagnostic(name: str) -> bool:
-    return any(k in name for k in KEY_DIAGNOSTICS) and not name.startswith("certification.criteria.")
+def _diagnostic_rows(recs: Sequence[Mapping[str, Any]]) -> list[tuple[str, str, str, str]]:
+    """(name, mean ± s.e., range, cells) of every diagnostic of one method's cells."""
+    flat = [{k: v for k, v in _flatten(r.get("diagnostics") or {}).items()
+             if not k.startswith("certification.criteria.")} for r in recs]
+    rows = []
+    for key in sorted({k for f in flat for k in f}):
+        vals = [f[key] for f in flat if key in f]
+        summ = [s for s in (_summarise(v) for v in vals) if s is not None]
+        if not summ:
+            continue
+        entries = np.asarray([x for v in vals for x in np.ravel(np.asarray(v, dtype=object)) if _finite(x)], dtype=float)
+        m, se, n = mean_se(summ)
+        rows.append((key, fmt_mean_se(m, se), f"[{fmt(entries.min())}, {fmt(entries.max())}]", str(n)))
+    return rows
 
 
 def diagnostics_tables(records: Sequence[Mapping[str, Any]]) -> list[Table]:
-    """Method diagnostics stored with the fits, per method: the key ones (R-hat, ESS,
-    divergences, tree-depth or step-cap saturation, E-BFMI, Pareto k̂; see
-    :data:`KEY_DIAGNOSTICS`) in one table, the rest folded in a second.
+    """Method diagnostics: the key ones (:data:`KEY_DIAGNOSTICS`: function-space R-hat and ESS,
+    divergences, tree-depth and step-cap saturation, E-BFMI, Pareto k̂) as methods x columns,
+    and every diagnostic each method reports, folded.
 
-    Each scalar diagnostic is averaged over cells; list-valued ones (one value per chain) are
-    first averaged over their entries, and the range over cells and entries is shown beside.
+    Per-chain lists are averaged over chains, then over cells; ranges run over cells and chains.
+    For the saturation and divergence columns the worst chain is shown instead (a single
+    saturated chain matters).
     """
-    key_rows, other_rows = [], []
-    for label, recs in by_method(ok_records(records)).items():
-        # the certification's thresholds are the same for every cell: not diagnostics
-        flat = [{k: v for k, v in _flatten(r.get("diagnostics") or {}).items()
-                 if not k.startswith("certification.criteria.")} for r in recs]
-        for key in sorted({k for f in flat for k in f}, key=lambda k: (not _is_key_diagnostic(k), k)):
-            vals = [f[key] for f in flat if key in f]
-            summ = [s for s in (_summarise(v) for v in vals) if s is not None]
-            if not summ:
-                continue
-            entries = np.asarray([x for v in vals for x in np.ravel(np.asarray(v, dtype=object)) if _finite(x)], dtype=float)
-            m, se, n = mean_se(summ)
-            row = (label, key, fmt_mean_se(m, se), f"[{fmt(entries.min())}, {fmt(entries.max())}]", str(n))
-            (key_rows if _is_key_diagnostic(key) else other_rows).append(row)
-    columns = ("method", "diagnostic", "mean (± s.e. over cells)", "range", "cells")
-    note = "As reported by each method in posterior.diagnostics (per-chain lists averaged)."
+    groups = by_method(ok_records(records))
+    worst = {"divergences", "max_tree_depth_fraction", "num_steps_cap_hits_sampling"}
+    present = []
+    for header, key in KEY_DIAGNOSTICS:
+        if any(key in _flatten(r.get("diagnostics") or {}) or key in (r.get("train_metrics") or {})
+               for recs in groups.values() for r in recs):
+            present.append((header, key))
+    key_rows = []
+    for label, recs in groups.items():
+        cells = []
+        for _, key in present:
+            vals = []
+            for r in recs:
+                v = _flatten(r.get("diagnostics") or {}).get(key, (r.get("train_metrics") or {}).get(key))
+                flat = [x for x in np.ravel(np.asarray(v, dtype=object)) if _finite(x)] if v is not None else []
+                if flat:
+                    vals.append(max(flat) if key in worst else float(np.mean(flat)))
+            m, se, n = mean_se(vals)
+            cells.append(fmt_mean_se(m, se) if n else "—")
+        if any(c != "—" for c in cells):
+            key_rows.append((label, *cells))
+    other_rows = [(label, *row) for label, recs in groups.items() for row in _diagnostic_rows(recs)]
     tables = []
-    if key_rows:
-        tables.append(Table("Key diagnostics", columns, tuple(key_rows), (),
-                            note + " R-hat should be below 1.01, bulk/tail ESS at least 400 (certification), "
-                                   "divergences 0, tree-depth/step-cap saturation 0, E-BFMI above 0.2."))
+    if key_rows and present:
+        tables.append(Table(
+            "Key diagnostics", ("method", *[h for h, _ in present]), tuple(key_rows), (),
+            "Certification wants function-space R-hat below 1.01, bulk and tail ESS of at least 400, no divergences "
+            "and E-BFMI above 0.2 (docs/diagnostics.md); any tree-depth or step-cap hit shortens trajectories; "
+            "Pareto k̂ above 0.7 makes importance weights unreliable. Divergences and saturation: worst chain."))
     if other_rows:
-        tables.append(Table("All method diagnostics", columns, tuple(other_rows), (), note, collapsed=True))
+        tables.append(Table("All method diagnostics", ("method", "diagnostic", "mean (± s.e. over cells)", "range", "cells"),
+                            tuple(other_rows), (), "As reported by each method in posterior.diagnostics "
+                            "(per-chain lists averaged).", collapsed=True))
     return tables
 
 
 def diagnostics_table(records: Sequence[Mapping[str, Any]]) -> Table | None:
-    """Every method diagnostic in one table (see :func:`diagnostics_tables` for the split view)."""
-    rows = tuple(r for t in diagnostics_tables(records) for r in t.rows)
+    """Every method diagnostic in one table, per method (see :func:`diagnostics_tables`)."""
+    rows = tuple((label, *row) for label, recs in by_method(ok_records(records)).items()
+                 for row in _diagnostic_rows(recs))
     if not rows:
         return None
     return Table("Method diagnostics", ("method", "diagnostic", "mean (± s.e. over cells)", "range", "cells"), rows, (),

@@ -125,8 +125,8 @@ def method_flags(recs: Sequence[Mapping[str, Any]]) -> list[str]:
         flags.append(f"leapfrog-step cap cut {sum(caps)} sampling trajectories")
     div = [c for d in diags for c in (d.get("divergences") or [])] if all(
         isinstance(d.get("divergences"), list) for d in diags if "divergences" in d) else []
-    if div and sum(div) > 0:
-        flags.append(f"{sum(div)} divergent transitions")
+    if div and sum(div) > 0 and not failed:  # a failed certification already names divergences
+        flags.append(f"{sum(div)} divergent transition{'s' if sum(div) > 1 else ''}")
     cov = mean_se(metric_values(recs, "coverage_90"))[0]
     if math.isfinite(cov) and cov < LOW_COVERAGE:
         flags.append(f"overconfident: its 90% predictive intervals cover {100 * cov:.0f}% of test points")
