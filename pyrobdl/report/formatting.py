@@ -40,11 +40,15 @@ def fmt_mean_se(mean: float, se: float) -> str:
     return fmt(mean) if not _finite(se) else f"{fmt(mean)} ± {fmt(se, 2)}"
 
 
-def decimals_for(values: Iterable[Any]) -> int | None:
+def decimals_for(values: Iterable[Any], companions: Iterable[Any] = ()) -> int | None:
     """Decimals that give the column's median magnitude three significant figures (0 to 6), so
-    every number of a column is written alike; None when the column is better in e-notation
-    (a median below 1e-4)."""
-    mags = np.asarray([abs(v) for v in values if _finite(v) and v != 0], dtype=float)
+    every number of a column is written alike; 0 when every value is a whole number; None when
+    the column is better in e-notation (a median below 1e-4)."""
+    values = [v for v in values if _finite(v)]
+    companions = [v for v in companions if _finite(v)]  # e.g. standard errors: only the whole-number test
+    if values and all(float(v).is_integer() for v in values + companions):
+        return 0  # counts (divergences, gradient evaluations) and whole numbers stay whole
+    mags = np.asarray([abs(v) for v in values if v != 0], dtype=float)
     if mags.size == 0:
         return 2
     med = float(np.median(mags))
@@ -65,6 +69,6 @@ def fmt_fixed(v: Any, decimals: int | None) -> str:
 def fmt_column(stats: Sequence[tuple[float, float, int]]) -> list[str]:
     """Cells of one column of ``(mean, se, n)``: one number format for the whole column,
     "± s.e." only where n > 1."""
-    d = decimals_for([m for m, _, _ in stats])
+    d = decimals_for([m for m, _, _ in stats], [se for _, se, n in stats if n > 1])
     return ["—" if not _finite(m) else fmt_fixed(m, d) + (f" ± {fmt_fixed(se, d)}" if n > 1 and _finite(se) else "")
             for m, se, n in stats]

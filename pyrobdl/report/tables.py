@@ -506,20 +506,19 @@ def diagnostics_tables(records: Sequence[Mapping[str, Any]]) -> list[Table]:
         if any(key in _flatten(r.get("diagnostics") or {}) or key in (r.get("train_metrics") or {})
                for recs in groups.values() for r in recs):
             present.append((header, key))
-    key_rows = []
-    for label, recs in groups.items():
-        cells = []
-        for _, key in present:
+    columns = []
+    for _, key in present:
+        stats = []
+        for recs in groups.values():
             vals = []
             for r in recs:
                 v = _flatten(r.get("diagnostics") or {}).get(key, (r.get("train_metrics") or {}).get(key))
                 flat = [x for x in np.ravel(np.asarray(v, dtype=object)) if _finite(x)] if v is not None else []
                 if flat:
                     vals.append(max(flat) if key in worst else float(np.mean(flat)))
-            m, se, n = mean_se(vals)
-            cells.append(fmt_mean_se(m, se) if n else "—")
-        if any(c != "—" for c in cells):
-            key_rows.append((label, *cells))
+            stats.append(mean_se(vals))
+        columns.append(fmt_column(stats))  # one number format per column
+    key_rows = [(label, *cells) for label, *cells in zip(groups, *columns) if any(c != "—" for c in cells)]
     other_rows = [(label, *row) for label, recs in groups.items() for row in _diagnostic_rows(recs)]
     tables = []
     if key_rows and present:
