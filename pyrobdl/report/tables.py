@@ -578,5 +578,6 @@ def failures_table(records: Sequence[Mapping[str, Any]]) -> Table | None:
             kinds.append("")
     if not rows:
         return None
+    # warnings alone are folded (each dataset's verdict already names what they say); failures are not
     return Table("Failures and warnings", ("cell", "status", "stage", "message"), tuple(rows), tuple(kinds),
-                 "Full tracebacks are in each cell's result.json.")
+                 "Full tracebacks are in each cell's result.json.", collapsed="failed" not in kinds)
