@@ -21,9 +21,18 @@ def positive_number(name: str, value: Any) -> float:
 
 
 def as_tensor(name: str, value: Any, *, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Convert an array-like to a tensor, or raise TypeError naming ``name``."""
+    """Convert an array-like to a tensor, or raise TypeError naming ``name``.
+
+    Torch tensors and numpy arrays are treated alike: floating point of any precision
+    (float16, bfloat16, float32, float64) becomes torch's default dtype unless ``dtype`` is
+    given, integers and booleans keep their type, and complex or non-numeric input is refused.
+    """
     if isinstance(value, torch.Tensor):
-        return value if dtype is None else value.to(dtype)
+        if value.is_complex():
+            raise TypeError(f"{name} must be real-valued, got complex dtype {value.dtype}")
+        if dtype is not None:
+            return value.to(dtype)
+        return value.to(torch.get_default_dtype()) if value.is_floating_point() else value
     if isinstance(value, (np.ndarray, list, tuple)):
         arr = np.asarray(value)
         if arr.dtype.kind not in "biuf":
@@ -65,7 +74,8 @@ def check_data(model: Any, x: Any, y: Any) -> tuple[torch.Tensor, torch.Tensor]:
         ``x`` not 2-D or with the wrong number of features, ``y`` of the wrong length or shape,
         NaN/inf anywhere, class labels outside ``0 .. out_features - 1``.
     TypeError
-        Non-numeric input, or non-integer labels for classification.
+        Non-numeric or complex input, non-integer labels for classification, or integer-coded
+        targets for regression.
     """
     x = check_inputs(model, x)
     y = as_tensor("y", y)
@@ -79,6 +89,11 @@ def check_data(model: Any, x: Any, y: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if bool((y < 0).any()) or bool((y >= model.out_features).any()):
             raise ValueError(f"y has labels outside 0..{model.out_features - 1}")
     else:
+        if not y.is_floating_point():
+            raise TypeError(
+                f"y holds {y.dtype} values, but a regression likelihood needs real-valued targets; integer "
+                "labels suggest classification (likelihoods.Categorical), otherwise convert y to float"
+            )
         y = y.to(x.dtype)
         _finite("y", y)
     return x, model.likelihood.prepare_targets(y, model.out_features)

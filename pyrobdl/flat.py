@@ -17,7 +17,8 @@ model (``tests/test_flat.py`` proves it, value and gradient, for every prior and
 
 Layout (:class:`FlatLayout`): the sites in the model's order (``model.prior_distributions()``):
 ``layers.0.weight`` (``[out, in]``, row-major), ``layers.0.bias``, ``layers.1.weight``, ...,
-then the likelihood's latents (``precision``, stored as :math:`\log\tau`).
+then the likelihood's latents (``precision``, stored as :math:`\log\tau`).  A model built with
+``bias=False`` has no bias sites; the fast path then treats every bias as zero.
 
 The gradient is hand-written for the MLP family (a forward pass, then the backward pass of the
 chain rule through each layer as batched matrix products), not taken by autograd: for the
@@ -101,6 +102,9 @@ class FlatLayout:
 
     def __getitem__(self, name: str) -> SiteSlice:
         return self._by_name[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._by_name
 
     def __repr__(self) -> str:
         return f"FlatLayout(size={self.size}, sites={[s.name for s in self.sites]})"
@@ -254,11 +258,17 @@ class FlatLogJoint:
         return self.layout.size
 
     def _weights(self, theta: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (weight ``[K, out, in]``, bias ``[K, out]``); zeros for a model without biases."""
         k = theta.shape[0]
         out = []
         for i in range(self._num_layers):
-            w, b = self.layout[f"layers.{i}.weight"], self.layout[f"layers.{i}.bias"]
-            out.append((theta[:, w.start : w.stop].view(k, *w.shape), theta[:, b.start : b.stop]))
+            w = self.layout[f"layers.{i}.weight"]
+            weight = theta[:, w.start : w.stop].view(k, *w.shape)
+            if f"layers.{i}.bias" in self.layout:
+                b = self.layout[f"layers.{i}.bias"]
+                out.append((weight, theta[:, b.start : b.stop]))
+            else:
+                out.append((weight, theta.new_zeros(k, w.shape[0])))
         return out
 
     def _data(self, idx: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -306,7 +316,9 @@ class FlatLogJoint:
             logp = logp + self._gamma_const + self._a * u - self._b * u.exp()
         h = x
         for i in range(self._num_layers):
-            h = torch.matmul(h, params[f"layers.{i}.weight"].transpose(-1, -2)) + params[f"layers.{i}.bias"].unsqueeze(-2)
+            h = torch.matmul(h, params[f"layers.{i}.weight"].transpose(-1, -2))
+            if f"layers.{i}.bias" in params:
+                h = h + params[f"layers.{i}.bias"].unsqueeze(-2)
             if i < self._num_layers - 1:
                 h = torch.relu(h) if self._act == "relu" else torch.tanh(h)
         return logp + scale * self._log_lik(h, y, theta)[0]
@@ -459,13 +471,15 @@ class FlatLogJoint:
         for j in range(last, 0, -1):
             z = zs[j - 1]
             w, _ = layers[j]
-            wsl, bsl = self.layout[f"layers.{j}.weight"], self.layout[f"layers.{j}.bias"]
+            wsl = self.layout[f"layers.{j}.weight"]
             gsum = g.sum(1)  # [K, Hout]
             mz = torch.bmm(g.transpose(1, 2), z.transpose(0, 1))  # [K, Hout, Hin] = g^T z
             if tanh:  # the layer's input is h = 2 s - 1
                 mz = 2.0 * mz - gsum.unsqueeze(-1)
             grad[:, wsl.start : wsl.stop].view(k, *wsl.shape).add_(mz)
-            grad[:, bsl.start : bsl.stop].add_(gsum)
+            if f"layers.{j}.bias" in self.layout:
+                bsl = self.layout[f"layers.{j}.bias"]
+                grad[:, bsl.start : bsl.stop].add_(gsum)
             if j == 1 and w.shape[1] == 1:
                 # dlogp/da0[b,k,h] = g[k,b] w[k,h] act'(a0)[b,k,h]: w is applied after the GEMM
                 gb = g.permute(1, 0, 2).contiguous().expand(b, k, z.shape[-1])
@@ -493,9 +507,11 @@ class FlatLogJoint:
             r0 = (x1.t() @ g.reshape(b, k * h0)).view(x1.shape[1], k, h0).permute(1, 2, 0)  # [K, H0, in+1]
         if factor is not None:
             r0 = r0 * factor
-        wsl, bsl = self.layout["layers.0.weight"], self.layout["layers.0.bias"]
+        wsl = self.layout["layers.0.weight"]
         grad[:, wsl.start : wsl.stop].view(k, *wsl.shape).add_(r0[..., :-1])
-        grad[:, bsl.start : bsl.stop].add_(r0[..., -1])
+        if "layers.0.bias" in self.layout:
+            bsl = self.layout["layers.0.bias"]
+            grad[:, bsl.start : bsl.stop].add_(r0[..., -1])
         return logp, grad
 
     def log_prob_grad_autograd(self, theta: torch.Tensor, idx: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

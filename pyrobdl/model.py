@@ -44,14 +44,15 @@ def _drop_plate_dim(value: torch.Tensor, event_dim: int) -> torch.Tensor:
 
 
 class _Layer(PyroModule):
-    """One linear layer: ``weight`` and ``bias`` are PyroSample attributes."""
+    """One linear layer: ``weight`` and (unless ``bias`` is None) ``bias`` are PyroSample attributes."""
 
-    def __init__(self, weight: Site, bias: Site, prior: Prior) -> None:
+    def __init__(self, weight: Site, bias: Site | None, prior: Prior) -> None:
         super().__init__()
         # a zero-size buffer so the layer knows its device after .to(device)
         self.register_buffer("anchor", torch.zeros(0), persistent=False)
         self.weight = PyroSample(_site_prior(weight, prior))
-        self.bias = PyroSample(_site_prior(bias, prior))
+        if bias is not None:
+            self.bias = PyroSample(_site_prior(bias, prior))
 
 
 class BayesianMLP(PyroModule):
@@ -75,11 +76,14 @@ class BayesianMLP(PyroModule):
         Weight prior; default ``priors.Gaussian(scale=1.0)``.
     likelihood : pyrobdl.likelihoods.Likelihood, optional
         Observation model; default ``likelihoods.Gaussian(precision=1.0)``.
+    bias : bool, default True
+        Whether every layer has a bias.  ``bias=False`` leaves the ``layers.{i}.bias`` sites
+        out altogether (NumPyro's BNN example, for instance, has none).
 
     Notes
     -----
     Sample sites, one per tensor, in this order: ``layers.{i}.weight`` (shape ``[out, in]``),
-    ``layers.{i}.bias`` (shape ``[out]``) for ``i = 0 .. len(hidden)``, then the likelihood's
+    ``layers.{i}.bias`` (shape ``[out]``; absent with ``bias=False``) for ``i = 0 .. len(hidden)``, then the likelihood's
     own sites (``precision`` for :class:`~pyrobdl.likelihoods.GaussianLearnedPrecision`), then
     the observed site ``obs`` inside the plate ``data`` (dim -1).  All weight dims are event
     dims, so each weight site has empty batch shape and vectorized particles or ``Predictive``
@@ -104,8 +108,11 @@ class BayesianMLP(PyroModule):
         activation: str = "relu",
         prior: Prior | None = None,
         likelihood: Likelihood | None = None,
+        bias: bool = True,
     ) -> None:
         super().__init__()
+        if not isinstance(bias, bool):
+            raise TypeError(f"bias must be True or False, got {bias!r}")
         widths = [in_features, *hidden, out_features]
         for name, w in [("in_features", in_features), ("out_features", out_features)] + [
             (f"hidden[{i}]", h) for i, h in enumerate(hidden)
@@ -133,20 +140,21 @@ class BayesianMLP(PyroModule):
         self.activation = activation
         self.prior = prior
         self.likelihood = likelihood
-        self.sites: tuple[Site, ...] = tuple(
-            Site(f"layers.{i}.{kind}", i, kind, shape, widths[i], num_layers)
+        self.bias = bias
+        per_layer = [
+            (Site(f"layers.{i}.weight", i, "weight", (widths[i + 1], widths[i]), widths[i], num_layers),
+             Site(f"layers.{i}.bias", i, "bias", (widths[i + 1],), widths[i], num_layers) if bias else None)
             for i in range(num_layers)
-            for kind, shape in (("weight", (widths[i + 1], widths[i])), ("bias", (widths[i + 1],)))
-        )
-        self.layers = PyroModule[torch.nn.ModuleList](
-            [_Layer(self.sites[2 * i], self.sites[2 * i + 1], prior) for i in range(num_layers)]
-        )
+        ]
+        self.sites: tuple[Site, ...] = tuple(s for pair in per_layer for s in pair if s is not None)
+        self.layers = PyroModule[torch.nn.ModuleList]([_Layer(w, b, prior) for w, b in per_layer])
         self._act = ACTIVATIONS[activation]
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, hidden={self.hidden}, out_features={self.out_features}, "
             f"activation={self.activation!r}, prior={self.prior!r}, likelihood={self.likelihood!r}"
+            + ("" if self.bias else ", bias=False")
         )
 
     @property
@@ -179,7 +187,7 @@ class BayesianMLP(PyroModule):
         h = x
         last = len(self.layers) - 1
         for i in range(last + 1):
-            h = linear(h, params[f"layers.{i}.weight"], params[f"layers.{i}.bias"])
+            h = linear(h, params[f"layers.{i}.weight"], params.get(f"layers.{i}.bias"))
             if i < last:
                 h = self._act(h)
         return h
@@ -219,7 +227,8 @@ class BayesianMLP(PyroModule):
         params = {}
         for layer_index, layer in enumerate(self.layers):
             params[f"layers.{layer_index}.weight"] = _drop_plate_dim(layer.weight, 2)
-            params[f"layers.{layer_index}.bias"] = _drop_plate_dim(layer.bias, 1)
+            if self.bias:
+                params[f"layers.{layer_index}.bias"] = _drop_plate_dim(layer.bias, 1)
         for name, prior in self.likelihood.latent_distributions(self.device).items():
             params[name] = _drop_plate_dim(pyro.sample(name, prior), len(prior.event_shape))
         if y is not None:

@@ -152,6 +152,37 @@ class Posterior:
     def _draw(self, num_samples: int) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
+    def _state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """What :meth:`save` writes beyond the common fields: ``(tensors, json_extras)``.
+
+        Subclasses that can be saved override this and :meth:`_from_state`.
+        """
+        raise TypeError(f"{type(self).__name__} cannot be saved")
+
+    @classmethod
+    def _from_state(cls, model: Any, tensors: Mapping[str, torch.Tensor], extra: Mapping[str, Any],
+                    common: Mapping[str, Any]) -> Posterior:
+        """Rebuild a posterior from :meth:`_state`'s output; ``common`` holds the constructor's
+        ``method``, ``settings``, ``cost``, ``history`` and ``diagnostics``."""
+        raise TypeError(f"{cls.__name__} cannot be loaded")
+
+    def save(self, path: Any) -> Any:
+        """Save to the folder ``path``: JSON for settings and metadata, plain tensors for the rest
+        (no pickle); load with :func:`pyrobdl.load_posterior`.  See :mod:`pyrobdl.saving`.
+
+        Parameters
+        ----------
+        path : str or os.PathLike
+            Folder to write (replaced atomically if it holds an earlier save).
+
+        Returns
+        -------
+        pathlib.Path
+        """
+        from .saving import save_posterior
+
+        return save_posterior(self, path)
+
     def sample(self, num_samples: int, *, seed: int | None = None) -> dict[str, torch.Tensor]:
         """Draw weights (and likelihood latents) from the posterior.
 
@@ -279,3 +310,27 @@ class SVIPosterior(Posterior):
 
     def _draw(self, num_samples: int) -> dict[str, torch.Tensor]:
         return self.guide.sample_params(num_samples)
+
+    def _state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        # the whole state_dict: independent of how a guide names or packs its parameters
+        return dict(self.guide.state_dict()), {}
+
+    @classmethod
+    def _from_state(cls, model: Any, tensors: Mapping[str, torch.Tensor], extra: Mapping[str, Any],
+                    common: Mapping[str, Any]) -> SVIPosterior:
+        from .inference import get_method
+        from .saving import lost_in_json
+
+        method = get_method(common["method"])
+        if method.build_guide is None:
+            raise ValueError(f"method {common['method']!r} has no guide to rebuild")
+        settings = common["settings"]
+        options = {**method.options,
+                   **{k: v for k, v in settings.items() if k in method.options and not lost_in_json(v)}}
+        with torch.random.fork_rng(devices=[]):  # the guide's initial values are overwritten anyway
+            guide = method.build_guide(model, options).to(model.device)
+        try:
+            guide.load_state_dict(dict(tensors), strict=True)
+        except RuntimeError as e:
+            raise ValueError(f"the saved guide state does not fit a fresh {type(guide).__name__}: {e}") from e
+        return cls(model, guide, **common)

@@ -118,6 +118,30 @@ def test_equals_pyros_potential(float64, prior, likelihood, hidden, activation):
         assert grad_err(grad[row], g_ref) < TOL64
 
 
+@pytest.mark.parametrize("hidden, activation", ARCHITECTURES, ids=lambda v: str(v))
+@pytest.mark.parametrize("likelihood", ["gaussian-2", "learned-1", "categorical-3"])
+def test_without_biases_equals_pyros_potential(float64, likelihood, hidden, activation):
+    """``BayesianMLP(bias=False)`` (NumPyro's BNN example has no biases): no bias sites in the
+    layout, and value and gradient are still Pyro's potential and its autograd gradient."""
+    lik, out = LIKELIHOODS[likelihood]
+    model = pyrobdl.BayesianMLP(3, hidden, out, activation=activation, prior=PRIORS["per_layer"](len(hidden) + 1),
+                                likelihood=lik(), bias=False)
+    x, y = make_data(model)
+    lj = FlatLogJoint(model, x, y)
+    _, potential_fn, transforms, _ = initialize_model(model, (x, y), init_strategy=init_to_sample)
+    assert list(transforms) == [s.name for s in lj.layout.sites]
+    assert not any(s.name.endswith(".bias") for s in lj.layout.sites)
+    theta = lj.sample_prior(3, generator=torch.Generator().manual_seed(1))
+    value, grad = lj.value_and_grad(theta)
+    v_twin, g_twin = lj.log_prob_grad_autograd(theta)
+    assert rel_err(value, v_twin) < TOL64
+    for row in range(theta.shape[0]):
+        v_ref, g_ref = pyro_value_and_grad(potential_fn, lj.layout, theta[row])
+        assert rel_err(value[row], v_ref) < TOL64, (value[row], v_ref)
+        assert grad_err(grad[row], g_ref) < TOL64
+        assert grad_err(g_twin[row], g_ref) < TOL64
+
+
 def test_minibatch_equals_pyros_subsampled_potential(float64):
     """With indices ``idx`` the value is Pyro's potential under ``plate("data", subsample=idx)``."""
     model = make_model("per_layer", "learned-2", (4, 3), "tanh")

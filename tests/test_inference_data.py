@@ -105,6 +105,13 @@ def no_default_dims(idata) -> list[str]:
 def test_inference_data_groups_dims_and_loo(name, task):
     posterior, x, y = fitted(name, task)
     idata = idata_of(name, task)
+    draws = posterior.sample(3, seed=0)
+    point = all(bool((v == v[:1]).all()) for v in draws.values())
+    assert idata.attrs["point_estimate"] == int(point)
+    if point:  # a point estimate: one draw, no log_likelihood for ArviZ to misread (test below)
+        assert not hasattr(idata, "log_likelihood")
+        assert idata.posterior.sizes["chain"] == 1 and idata.posterior.sizes["draw"] == 1
+        return
     for group in GROUPS:
         assert hasattr(idata, group), f"{name}: missing group {group}"
     n = x.shape[0]
@@ -143,6 +150,19 @@ def test_inference_data_groups_dims_and_loo(name, task):
         assert idata.sample_stats["diverging"].shape == (c, d)
     else:
         assert not hasattr(idata, "sample_stats")
+
+
+def test_map_is_exported_as_a_point_estimate_that_arviz_refuses_to_score():
+    """A point mass with a log_likelihood group made az.waic report the in-sample fit with
+    p_waic = 0 and az.compare rank MAP first (issue 14); without the group ArviZ refuses."""
+    posterior, x, y = fitted("map", "regression")
+    idata = posterior.to_inference_data(x, y, num_samples=40, seed=0)
+    assert idata.attrs["point_estimate"] == 1 and "log_likelihood" not in idata.groups()
+    np.testing.assert_array_equal(idata.posterior["layers.0.weight"].values[0, 0],
+                                  posterior.sample(1)["layers.0.weight"][0].numpy())
+    for score in (az.loo, az.waic):
+        with pytest.raises(TypeError, match="log likelihood"):
+            score(idata)
 
 
 @pytest.mark.parametrize("name", pyrobdl.methods())

@@ -199,6 +199,9 @@ def test_small_mlp_contract(method, device):
     assert posterior.trace.energy.shape == (2, 18) and np.isfinite(posterior.trace.energy).all()
     assert d["function_space"]["num_points"] == 20 and d["weight_space"]["num_quantities"] == 8 + 4 + 4 + 1 + 1
     assert posterior.trace.num_steps.shape == (2, 18)
+    # history: the per-iteration log joint averaged over chains, warm-up included (was empty)
+    np.testing.assert_allclose(posterior.history, posterior.trace.log_joint.mean(0))
+    assert posterior.history.shape == (18,) and np.isfinite(posterior.history).all()
     conv = posterior.function_space_convergence(x_test)
     assert conv["rhat"].shape == (7, 1) and conv["ess_bulk"].shape == (7, 1)
     json.dumps(d)  # plain numbers and lists: a result record can store them as they are

@@ -138,3 +138,22 @@ def test_mean_field_init_options():
     guide = pyrobdl.guides.MeanField(pyrobdl.BayesianMLP(16, (), 1), init_loc="linear")
     loc = guide.variational_distributions()["layers.0.weight"].base_dist.loc
     assert loc.abs().max() <= 0.25 and loc.std() > 0  # U(-1/sqrt(16), 1/sqrt(16)), like nn.Linear
+
+
+def test_model_without_biases():
+    """``bias=False``: no bias sites anywhere (trace, priors, guides, draws); the output is x W^T."""
+    model = pyrobdl.BayesianMLP(2, (3,), 1, activation="tanh", bias=False)
+    names = [s.name for s in model.sites]
+    assert names == ["layers.0.weight", "layers.1.weight"] and list(model.prior_distributions()) == names
+    x = torch.randn(6, 2)
+    trace = pyro.poutine.trace(model).get_trace(x)
+    latents = [n for n, site in trace.nodes.items() if site["type"] == "sample" and n not in ("data", "obs")]
+    assert latents == names
+    w0, w1 = trace.nodes["layers.0.weight"]["value"], trace.nodes["layers.1.weight"]["value"]
+    torch.testing.assert_close(trace.nodes["_RETURN"]["value"], torch.tanh(x @ w0.T) @ w1.T)
+    assert "bias=False" in repr(model)
+    posterior = pyrobdl.fit(model, x, torch.randn(6), "mean_field", num_steps=3, progress=False)
+    assert set(posterior.sample(2)) == set(names)
+    assert posterior.predict(x, 4).mean.shape == (6, 1)
+    with pytest.raises(TypeError, match="bias must be True or False"):
+        pyrobdl.BayesianMLP(2, (3,), 1, bias=0)

@@ -37,6 +37,31 @@ def test_numpy_input_is_accepted(model):
     assert p.predict(X.numpy(), 3).mean.dtype == torch.float32
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
+def test_torch_tensors_of_any_float_dtype_are_converted_like_numpy(model, dtype):
+    """A float64 tensor used to fail deep inside with a dtype error while float64 numpy worked."""
+    xs, ys = X.to(dtype), Y.to(dtype)
+    from_torch = pyrobdl.fit(model, xs, ys, num_steps=3, progress=False, seed=0)
+    pred = from_torch.predict(xs, 4, seed=1)
+    assert pred.mean.dtype == torch.float32
+    from_numpy = pyrobdl.fit(model, xs.float().numpy(), ys.float().numpy(), num_steps=3, progress=False, seed=0)
+    # the same float32 values in, so the same fit out
+    torch.testing.assert_close(from_numpy.predict(xs.float().numpy(), 4, seed=1).mean, pred.mean)
+
+
+@pytest.mark.parametrize("x, y, match", [
+    (X.to(torch.complex64), Y, "x must be real-valued, got complex"),
+    (X, Y.to(torch.complex64), "y must be real-valued, got complex"),
+    (X.numpy().astype(np.complex128), Y, "x must be numeric, got dtype complex128"),
+    (X, torch.arange(20), "y holds torch.int64 values, but a regression likelihood needs real-valued"),
+    (X, np.arange(20), "y holds torch.int64 values, but a regression likelihood needs real-valued"),
+    (X, torch.ones(20, dtype=torch.bool), "y holds torch.bool values"),
+])
+def test_complex_input_and_integer_regression_targets_are_refused(model, x, y, match):
+    with pytest.raises(TypeError, match=match):
+        pyrobdl.fit(model, x, y, num_steps=1, progress=False)
+
+
 def test_classification_label_errors():
     clf = pyrobdl.BayesianMLP(3, (), 3, likelihood=pyrobdl.likelihoods.Categorical())
     with pytest.raises(ValueError, match="labels outside 0..2"):

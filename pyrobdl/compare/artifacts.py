@@ -151,7 +151,9 @@ def calibration_curve(posterior: Posterior, data: Any, num_samples: int, seed: i
 
     Classification: the reliability table of the mean predictive
     (:func:`~pyrobdl.diagnostics.metrics.reliability_table`, :data:`RELIABILITY_BINS` bins):
-    ``reliab_confidence``, ``reliab_accuracy``, ``reliab_count`` (NaN for empty bins).
+    ``reliab_confidence``, ``reliab_accuracy``, ``reliab_count`` (NaN for empty bins); and per
+    test point the top-class probability ``reliab_top_prob`` and whether it was right
+    ``reliab_correct`` (1.0/0.0), from which the report draws equal-count bins.
     """
     from ..diagnostics import metrics
 
@@ -168,6 +170,9 @@ def calibration_curve(posterior: Posterior, data: Any, num_samples: int, seed: i
                 "reliab_confidence": table.confidence,
                 "reliab_accuracy": table.accuracy,
                 "reliab_count": table.count,
+                # per test point, so the report can draw equal-count (adaptive) bins
+                "reliab_top_prob": probs.max(-1),
+                "reliab_correct": (probs.argmax(-1) == y.cpu().numpy()).astype(np.float64),
             }
         scale = model.likelihood.noise_variance(draws, f).expand_as(f).sqrt()
         loc, scale = f.squeeze(-1).double().cpu().numpy(), scale.squeeze(-1).double().cpu().numpy()

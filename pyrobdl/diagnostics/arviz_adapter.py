@@ -38,6 +38,7 @@ __all__ = [
     "bfmi",
     "chain_draws",
     "convergence",
+    "is_point_mass",
     "pareto_k",
     "plot_rank",
     "plot_trace",
@@ -144,6 +145,15 @@ def chain_draws(posterior: Posterior, num_samples: int, *, seed: int | None = No
 def _flat(chains: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int, int]:
     c, d = next(iter(chains.values())).shape[:2]
     return {k: v.detach().reshape(c * d, *v.shape[2:]) for k, v in chains.items()}, c, d
+
+
+def is_point_mass(draws: dict[str, torch.Tensor]) -> bool:
+    """Whether every draw (leading dim) of every site equals the first: a point estimate.
+
+    Exact equality on purpose: any genuine distribution over weights gives distinct draws.
+    A single draw says nothing either way and counts as not a point mass.
+    """
+    return all(v.shape[0] > 1 and bool((v == v[:1]).all()) for v in draws.values())
 
 
 def _chunks(flat: dict[str, torch.Tensor], total: int):
@@ -262,13 +272,34 @@ def to_inference_data(
           (``(..., obs, output)`` for several outputs) and ``f``: the network output
           ``(chain, draw, obs, output|class)`` (logits for classification), the function-space
           quantity to diagnose a BNN by.
-        * ``log_likelihood`` — ``y``: :math:`\log p(y_n \mid w)`, exactly ``(chain, draw, obs)``.
+        * ``log_likelihood`` — ``y``: :math:`\log p(y_n \mid w)`, exactly ``(chain, draw, obs)``;
+          absent for a point estimate (below).
         * ``observed_data`` — ``y``; ``constant_data`` — ``x`` ``(obs, feature)``.
         * ``sample_stats`` — whatever the posterior's ``_sample_stats`` hook returns
           (``diverging``, ``step_size``, ``tree_depth``, ``energy``, ... for MCMC); absent when
           empty.
         * ``attrs`` — ``method``, ``posterior_class``, ``settings`` and ``cost`` (JSON strings,
-          so the data can be written to netCDF), ``model``, library versions.
+          so the data can be written to netCDF), ``model``, ``point_estimate`` (1 or 0),
+          library versions.
+
+        A posterior whose draws are all identical (MAP, any ``Delta`` guide) is exported as
+        what it is, a point estimate: one chain of one draw and **no** ``log_likelihood``
+        group, so ``az.loo``/``az.waic``/``az.compare`` refuse it instead of reading a
+        zero-variance log-likelihood as a perfect in-sample fit (``p_waic = 0``, MAP ranked
+        first by ``az.compare``).
+
+    Notes
+    -----
+    What ArviZ's PSIS-LOO means here.  ``az.loo`` importance-reweights the draws it is given to
+    approximate leave-one-out predictive densities.  For MCMC draws that is an estimate of the
+    model's LOO (when the chains have converged and Pareto :math:`\hat k` is small).  For draws
+    of an approximate posterior :math:`q` (mean-field, dropout, ...) it is the LOO of *q*
+    treated as if it were the posterior: a statement about the approximation, not about the
+    model, and it can be badly optimistic when :math:`q` is too narrow (large :math:`\hat k`
+    says so; ``vi_pareto_k`` in :func:`pyrobdl.diagnostics.fit_diagnostics` checks :math:`q`
+    against the model directly).  ``az.compare`` over methods therefore ranks approximations,
+    each judged by itself; held-out test log-likelihood is the comparison that does not depend
+    on that.
 
     Raises
     ------
@@ -288,6 +319,9 @@ def to_inference_data(
     model = posterior.model
     x_t, y_t = (t.to(model.device) for t in check_data(model, x, y))
     flat, c, d = _flat(chain_draws(posterior, num_samples, seed=seed))
+    point = is_point_mass(flat)
+    if point:  # one draw is the whole posterior; repeating it would fake chains and draws
+        flat, c, d = {k: v[:1] for k, v in flat.items()}, 1, 1
     n = x_t.shape[0]
     fs, lls, reps = [], [], []
     with torch.no_grad():
@@ -325,12 +359,13 @@ def to_inference_data(
         "model": repr(model),
         "num_chains": c,
         "num_draws": d,
+        "point_estimate": int(point),
     }
     versions = _library_versions()
     idata = az.from_dict(
         posterior=posterior_vars,
         posterior_predictive={"y": y_rep, "f": f_np},
-        log_likelihood={"y": arr(ll.double(), n)},
+        log_likelihood=None if point else {"y": arr(ll.double(), n)},
         observed_data={"y": y_obs},
         constant_data={"x": x_t.cpu().numpy()},
         sample_stats=stats or None,

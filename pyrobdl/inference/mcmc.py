@@ -19,6 +19,7 @@ The result, :class:`MCMCPosterior`, keeps every draw and obeys the shared poster
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import warnings
@@ -563,6 +564,12 @@ class MCMCPosterior(Posterior):
 
     Notes
     -----
+    ``history`` (unless given) is the per-iteration log joint density of the chains' current
+    states, averaged over chains, warm-up included: ``trace.log_joint.mean(0)``, length
+    ``num_warmup + num_samples`` (the per-chain values are in ``trace.log_joint``).  It plays the
+    part the ELBO trace plays for SVI: a rising, then flat, curve shows the chains reaching the
+    typical set.
+
     :meth:`sample` (and so the shared :meth:`Posterior.predict`) is deterministic: the
     ``C * D`` draws are pooled in chain-major order, and ``S`` of them are returned at evenly
     spaced positions :math:`\lfloor i\,CD/S \rfloor` when ``S <= CD`` (a thinned set that
@@ -572,6 +579,8 @@ class MCMCPosterior(Posterior):
 
     def __init__(self, model: Any, samples: Mapping[str, torch.Tensor], trace: SamplerTrace | None = None,
                  **kwargs: Any) -> None:
+        if kwargs.get("history") is None and trace is not None and np.size(trace.log_joint):
+            kwargs["history"] = np.asarray(trace.log_joint, dtype=float).mean(0)
         super().__init__(model, **kwargs)
         shapes = {tuple(v.shape[:2]) for v in samples.values()}
         if len(shapes) != 1:
@@ -589,6 +598,28 @@ class MCMCPosterior(Posterior):
             idx_dev = idx.to(v.device)
             out[name] = v.reshape(total, *v.shape[2:])[idx_dev]
         return out
+
+    def _state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        tensors = {f"samples/{k}": v for k, v in self.samples.items()}
+        extra: dict[str, Any] = {"trace": None}
+        if self.trace is not None:
+            fields = {f.name: getattr(self.trace, f.name) for f in dataclasses.fields(self.trace)}
+            extra["trace"] = {"num_warmup": int(fields.pop("num_warmup")),
+                              "present": sorted(k for k, v in fields.items() if v is not None)}
+            tensors.update({f"trace/{k}": torch.from_numpy(np.ascontiguousarray(v))
+                            for k, v in fields.items() if v is not None})
+        return tensors, extra
+
+    @classmethod
+    def _from_state(cls, model: Any, tensors: Mapping[str, torch.Tensor], extra: Mapping[str, Any],
+                    common: Mapping[str, Any]) -> MCMCPosterior:
+        samples = {k.removeprefix("samples/"): v for k, v in tensors.items() if k.startswith("samples/")}
+        trace = None
+        if extra.get("trace") is not None:
+            names = [f.name for f in dataclasses.fields(SamplerTrace) if f.name != "num_warmup"]
+            trace = SamplerTrace(extra["trace"]["num_warmup"], **{
+                k: tensors[f"trace/{k}"].cpu().numpy() if k in extra["trace"]["present"] else None for k in names})
+        return cls(model, samples, trace, **common)
 
     def _chains(self, num_samples: int) -> dict[str, torch.Tensor]:
         """The stored Markov chains, ``[chain, draw, ...]`` (``num_samples`` is ignored)."""

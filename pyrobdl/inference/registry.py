@@ -104,6 +104,9 @@ class Method:
     check_model : callable or None
         ``check_model(model, options)`` raising ValueError when the method cannot run on the
         model (e.g. an improper prior for MAP or MCMC).
+    build_guide : callable or None
+        SVI methods: ``build_guide(model, options) -> guide``, the untrained guide the method
+        starts from (what :func:`pyrobdl.load_posterior` fills with a saved ``state_dict``).
     """
 
     name: str
@@ -111,6 +114,7 @@ class Method:
     run: Callable[..., Posterior]
     summary: str = ""
     check_model: Callable[[Any, Mapping[str, Any]], None] | None = None
+    build_guide: Callable[[Any, Mapping[str, Any]], Any] | None = None
 
 
 _REGISTRY: dict[str, Method] = {}
@@ -185,13 +189,16 @@ def register_svi_method(
     if clash:
         raise ValueError(f"guide options {sorted(clash)} clash with loop options")
 
+    def build_guide(model: Any, options: Mapping[str, Any]) -> Any:
+        return guide_factory(model, **{k: options[k] for k in guide_options})
+
     def run(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str, Any], progress: bool) -> Posterior:
         settings = LoopSettings(**{k: options[k] for k in _LOOP_FIELDS})
         settings.validate(x.shape[0])
-        guide = guide_factory(model, **{k: options[k] for k in guide_options}).to(x.device)
+        guide = build_guide(model, options).to(x.device)
         return run_svi(model, guide, x, y, settings, method=name, all_settings=dict(options), progress=progress)
 
-    return register_method(Method(name, {**loop, **guide_options}, run, summary, check_model))
+    return register_method(Method(name, {**loop, **guide_options}, run, summary, check_model, build_guide))
 
 
 def _warn_if_diverged(method: str, posterior: Any) -> None:

@@ -18,6 +18,7 @@ from . import figures as _figures
 from . import tables as _tables
 from .model import ReportModel, Section
 from .render import to_html, to_markdown
+from .verdicts import verdict
 
 __all__ = ["ReportFiles", "build_model", "build_report"]
 
@@ -78,18 +79,22 @@ def _dataset_section(label: str, records: Sequence[Mapping[str, Any]]) -> Sectio
         r = oks[0]
         data, cfg = r.get("data") or {}, r.get("config") or {}
         ds = cfg.get("dataset") or {}
+        nin = data.get("in_features")
         paragraphs.append(
-            f"Source {ds.get('source')} {json.dumps(ds.get('options', {}), sort_keys=True)}; "
-            f"{data.get('task', '')}, {data.get('num_train')} training and {data.get('num_test')} test points, "
-            f"{data.get('in_features')} inputs; splits {sorted({x['split'] for x in oks})}, "
-            f"seeds {sorted({x['seed'] for x in oks})}."
+            f"Data: {ds.get('source')} ({_readable(ds.get('options', {}))}); {data.get('task', '')}, "
+            f"{data.get('num_train')} training and {data.get('num_test')} test points, "
+            f"{nin} input{'' if nin == 1 else 's'}; splits {_listing(sorted({x['split'] for x in oks}))}, "
+            f"seeds {_listing(sorted({x['seed'] for x in oks}))}."
         )
-        models = {m: json.dumps((x.get('config') or {}).get('model', {}), sort_keys=True)
+        models = {m: _model_text((x.get('config') or {}).get('model', {}), nin, data)
                   for m, recs in _tables.by_method(oks).items() for x in recs[:1]}
         counts = Counter(models.values())
         common = counts.most_common(1)[0][0]
         others = [f"{m}: {spec}" for m, spec in models.items() if spec != common]
         paragraphs.append(f"Model: {common}" + (f"; except {'; '.join(others)}." if others else "."))
+        settings = _settings_lines(oks)
+        if settings:
+            paragraphs.append("Method settings (those not at their defaults): " + "; ".join(settings) + ".")
         refs = sorted({x["method"] for x in oks if x.get("is_reference")})
         if refs:
             _, certified = _tables.reference_status(records)
@@ -102,15 +107,67 @@ def _dataset_section(label: str, records: Sequence[Mapping[str, Any]]) -> Sectio
     if ref_keys:
         tables.append(_tables.agreement_table(records, ref_keys))
     tables.append(_tables.exact_table(records))
-    tables.append(_tables.all_metrics_table(records, agreement_keys=ref_keys))
+    tables.extend(_tables.diagnostics_tables(records))
     tables.append(_tables.training_table(records))
-    tables.append(_tables.diagnostics_table(records))
+    tables.append(_tables.all_metrics_table(records, agreement_keys=ref_keys, collapsed=True))
     tables.extend(_tables.gradient_variance_tables(records))
     figs = []
     for make in _figures.FIGURES:
         made = make(records, label)
         figs.extend(made if isinstance(made, list) else [made] if made is not None else [])
-    return Section(f"Dataset {label}", tuple(paragraphs), tuple(t for t in tables if t is not None), tuple(figs))
+    return Section(f"Dataset {label}", tuple(paragraphs), tuple(t for t in tables if t is not None), tuple(figs),
+                   verdict(records))
+
+
+def _listing(values: Sequence[Any]) -> str:
+    return ", ".join(str(v) for v in values)
+
+
+def _readable(options: Mapping[str, Any]) -> str:
+    """``{"noise_sd": 0.1, "num_train": 80}`` -> ``noise_sd 0.1, num_train 80``."""
+    def value(v: Any) -> str:
+        if isinstance(v, Mapping):
+            return "(" + _readable(v) + ")"
+        if isinstance(v, (list, tuple)):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        return f"{v:g}" if isinstance(v, float) else str(v)
+
+    return ", ".join(f"{k} {value(v)}" for k, v in sorted(options.items())) or "defaults"
+
+
+def _model_text(spec: Mapping[str, Any], in_features: Any, data: Mapping[str, Any]) -> str:
+    """A model spec in words: ``tanh MLP 1 → 10 → 1; prior gaussian (scale 1); likelihood gaussian (precision 100)``."""
+    hidden = list(spec.get("hidden", [50]))
+    out = data.get("num_classes") or data.get("out_features") or ("classes" if data.get("task") == "classification" else 1)
+    widths = " → ".join(str(w) for w in [in_features, *hidden, out])
+    parts = [f"{spec.get('activation', 'relu') if hidden else 'linear'} {'MLP' if hidden else 'model'} {widths}"]
+    if spec.get("bias") is False:
+        parts[0] += " without biases"
+    for part in ("prior", "likelihood"):
+        comp = dict(spec.get(part) or {})
+        if comp:
+            kind = comp.pop("kind", "?")
+            parts.append(f"{part} {kind}" + (f" ({_readable(comp)})" if comp else ""))
+    return "; ".join(parts)
+
+
+def _settings_lines(records: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Per method label, its options that differ from the registry's defaults, as text."""
+    try:
+        from ..inference import get_method
+    except ImportError:  # pragma: no cover - the registry ships with the package
+        return []
+    lines = []
+    for label, recs in _tables.by_method(records).items():
+        meth = (recs[0].get("config") or {}).get("method") or {}
+        options = dict(meth.get("options") or {})
+        try:
+            defaults = dict(get_method(str(meth.get("name", label))).options)
+        except ValueError:  # a method no longer registered: show everything
+            defaults = {}
+        changed = {k: v for k, v in options.items() if k not in defaults or defaults[k] != v}
+        lines.append(f"{label}: {_readable(changed)}")
+    return lines
 
 
 def build_model(out: str | Path, title: str | None = None) -> ReportModel:

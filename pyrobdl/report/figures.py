@@ -18,7 +18,10 @@ import numpy as np
 from .model import Figure
 from .tables import HIGHER_IS_BETTER, by_method, mean_se, metric_values, ok_records
 
-__all__ = ["FIGURES", "calibration", "elbo_curves", "encode", "predictive_bands", "quality_vs_cost", "rank_plots"]
+__all__ = [
+    "FIGURES", "adaptive_reliability", "calibration", "elbo_curves", "encode", "pareto_front", "predictive_bands",
+    "quality_vs_cost", "rank_plots", "training_gap",
+]
 
 DPI = 80
 #: Quality metric of the quality-versus-cost figure: the first one present.
@@ -65,63 +68,116 @@ def _grid(n: int, cols: int = 3) -> tuple[int, int]:
     return math.ceil(n / cols), cols
 
 
+#: Marker shapes, so methods are told apart without colour (with a direct label beside each).
+MARKERS = ("o", "s", "D", "^", "v", "P", "X", "*", "h", "<", ">", "p")
+#: Axis labels with units, per cost key.
+COST_AXES = {
+    "gradient_evaluations": "gradient evaluations per fit (count, log scale)",
+    "cpu_time_s": "fit CPU time (process seconds, log scale)",
+    "wall_time_s": "fit wall time (s, log scale)",
+}
+#: Units of the quality metrics, for the y axis.
+METRIC_UNITS = {"test_ll": "nats per test point", "nll": "nats per test point", "accuracy": "fraction correct",
+                "rmse": "target units"}
+
+
+def pareto_front(points: Sequence[tuple[float, float]], *, higher_is_better: bool) -> list[int]:
+    """Indices of the points no other point beats on both cost (lower) and quality, by cost.
+
+    A point is on the front when every cheaper-or-equal point is strictly worse.
+    """
+    sign = 1.0 if higher_is_better else -1.0
+    order = sorted(range(len(points)), key=lambda i: (points[i][0], -sign * points[i][1]))
+    front, best = [], -math.inf
+    for i in order:
+        q = sign * points[i][1]
+        if q > best:
+            front.append(i)
+            best = q
+    return front
+
+
+def _cost_key(groups: Mapping[str, Sequence[Mapping[str, Any]]]) -> str:
+    """CPU seconds when every cell recorded them, else wall seconds (older records)."""
+    cpu = [(r.get("cost") or {}).get("cpu_time_s") for recs in groups.values() for r in recs]
+    return "cpu_time_s" if cpu and all(isinstance(c, (int, float)) and c > 0 for c in cpu) else "wall_time_s"
+
+
 def quality_vs_cost(records: Sequence[Mapping[str, Any]], dataset: str) -> Figure | None:
-    """Test quality against fit wall time and against gradient evaluations (log scales)."""
+    """Quality against cost, one panel per cost (gradient evaluations; CPU seconds), with the
+    Pareto front; every method a marker shape and a direct label; off-scale methods drawn as
+    hollow triangles at the edge with their value written beside them."""
     groups = by_method(ok_records(records))
     metric = next((m for m in QUALITY_METRICS if any(metric_values(g, m) for g in groups.values())), None)
     if metric is None:
         return None
     from matplotlib.ticker import NullFormatter
 
+    up = HIGHER_IS_BETTER[metric]
     colors = _colors(list(groups))
+    markers = {label: MARKERS[i % len(MARKERS)] for i, label in enumerate(groups)}
     ys = {label: mean_se(metric_values(recs, metric)) for label, recs in groups.items()}
-    lo, hi = _robust_range([m for m, _, n in ys.values() if n], higher_is_better=HIGHER_IS_BETTER[metric])
-    fig = _new(9, 3.6)
+    lo, hi = _robust_range([m for m, _, n in ys.values() if n], higher_is_better=up)
+    pad = 0.08 * (hi - lo) if hi > lo else 1.0
+    fig = _new(13, 5.2)
     axes = fig.subplots(1, 2, sharey=True)
     clipped = []
-    for ax, key, xlabel in ((axes[0], "wall_time_s", "fit wall time (s)"),
-                            (axes[1], "gradient_evaluations", "gradient evaluations")):
-        xs = [mean_se([(r.get("cost") or {}).get(key) for r in recs])[0] for recs in groups.values()]
-        xs = [x for x in xs if x > 0]
+    for ax, key in zip(axes, ("gradient_evaluations", _cost_key(groups))):
+        pts: dict[str, tuple[float, float]] = {}
         for label, recs in groups.items():
             y, yse, n = ys[label]
             x, xse, _ = mean_se([(r.get("cost") or {}).get(key) for r in recs])
             if n == 0 or not (x > 0):
                 continue
-            if not lo <= y <= hi:  # far off the others: drawn at the edge, value in the caption
-                edge = lo if y < lo else hi
-                ax.plot([x], [edge], "v" if y < lo else "^", color=colors[label], label=label, ms=8)
-                if key == "wall_time_s":
+            pts[label] = (x, y)
+            if not lo <= y <= hi:  # far off the others: a hollow triangle at the edge, value beside it
+                below = y < lo
+                edge = lo - 0.6 * pad if below else hi + 0.6 * pad
+                ax.plot([x], [edge], "v" if below else "^", ms=11, mfc="white", mec=colors[label], mew=2)
+                ax.annotate(f"{label}: {y:.3g} (off scale)", (x, edge), xytext=(8, 0), textcoords="offset points",
+                            va="center", fontsize=9, color=colors[label], style="italic")
+                if key == "gradient_evaluations":
                     clipped.append(f"{label} = {y:.3g}")
                 continue
             ax.errorbar([x], [y], yerr=[0 if math.isnan(yse) else yse], xerr=[0 if math.isnan(xse) else xse],
-                        fmt="o", color=colors[label], label=label, capsize=3)
+                        fmt=markers[label], color=colors[label], ms=8, capsize=3)
+            ax.annotate(label, (x, y), xytext=(7, 4), textcoords="offset points", fontsize=9, color=colors[label])
+        on_scale = {k: v for k, v in pts.items() if lo <= v[1] <= hi}
+        labels = list(on_scale)
+        front = [labels[i] for i in pareto_front([on_scale[k] for k in labels], higher_is_better=up)]
+        if len(front) > 1:
+            fx, fy = zip(*(on_scale[k] for k in front))
+            ax.step(fx, fy, where="post", color="0.35", lw=1.2, ls="--", zorder=0, label="Pareto front")
+            ax.legend(fontsize=9, loc="lower right" if up else "upper right")
         ax.set_xscale("log")
         ax.xaxis.set_minor_formatter(NullFormatter())
-        if xs:  # whole decades, so the log axis always has labelled ticks
-            ax.set_xlim(10 ** math.floor(math.log10(min(xs) / 1.5)), 10 ** math.ceil(math.log10(max(xs) * 1.5)))
-        ax.set_xlabel(xlabel)
+        xs = [v[0] for v in pts.values()]
+        if xs:  # whole decades, so the log axis always has labelled ticks; room for labels on the right
+            ax.set_xlim(10 ** math.floor(math.log10(min(xs) / 1.5)), 10 ** math.ceil(math.log10(max(xs) * 4)))
+        ax.set_xlabel(COST_AXES[key])
         ax.grid(alpha=0.3)
-    pad = 0.05 * (hi - lo) if hi > lo else 1.0
-    axes[0].set_ylim(lo - pad, hi + pad)
-    axes[0].set_ylabel(f"{metric} ({'higher' if HIGHER_IS_BETTER[metric] else 'lower'} is better)")
-    axes[1].legend(fontsize=8, loc="best")
-    note = f" Off the scale (triangles at the edge): {', '.join(clipped)}." if clipped else ""
+    axes[0].set_ylim(lo - 1.2 * pad, hi + 1.2 * pad)
+    unit = METRIC_UNITS.get(metric, "")
+    axes[0].set_ylabel(f"{metric}{' (' + unit + ')' if unit else ''}, {'higher' if up else 'lower'} is better")
+    note = f" Off the scale (hollow triangles at the edge, value beside them): {', '.join(clipped)}." if clipped else ""
     return encode(fig, f"{dataset}: quality versus cost",
-                  f"{metric}, mean ± s.e. over splits and seeds, against the mean cost of a fit.{note}")
+                  f"{metric}, mean ± s.e. over splits and seeds, against the mean cost of a fit: gradient evaluations "
+                  f"(left) and {'process CPU seconds' if _cost_key(groups) == 'cpu_time_s' else 'wall seconds'} (right; "
+                  "on a shared machine wall time also measures other jobs). Dashed: the Pareto front, the methods no "
+                  f"other method beats on both quality and cost.{note}")
 
 
 def _robust_range(values: Sequence[float], *, higher_is_better: bool) -> tuple[float, float]:
-    """A y range holding the bulk of ``values``: points worse than 5 IQR beyond the quartiles are left out."""
+    """A y range holding the bulk of ``values``: points worse than 20 median absolute deviations
+    from the median (on the bad side only) are left out, so one diverged fit (test LL -41 beside
+    values near 0.5) does not flatten every other point into a line."""
     v = np.asarray([x for x in values if np.isfinite(x)], dtype=float)
     if v.size == 0:
         return 0.0, 1.0
-    if v.size < 4:
-        return float(v.min()), float(v.max())
-    q1, q3 = np.percentile(v, [25, 75])
-    spread = max(q3 - q1, 1e-12)
-    lo, hi = (q1 - 5 * spread, np.inf) if higher_is_better else (-np.inf, q3 + 5 * spread)
-    kept = v[(v >= lo) & (v <= hi)]
+    med = float(np.median(v))
+    mad = float(np.median(np.abs(v - med)))
+    limit = 20 * max(mad, 1e-3 * max(abs(med), 1.0))
+    kept = v[v >= med - limit] if higher_is_better else v[v <= med + limit]
     return float(kept.min()), float(kept.max())
 
 
@@ -137,8 +193,11 @@ def predictive_bands(records: Sequence[Mapping[str, Any]], dataset: str) -> Figu
     rows, cols = _grid(len(panels))
     fig = _new(3.4 * cols, 2.8 * rows)
     axes = np.atleast_1d(fig.subplots(rows, cols, sharex=True, sharey=True, squeeze=False)).ravel()
+    gap = training_gap(panels[0][1]["train_x"])
     for ax, (label, a) in zip(axes, panels):
         x, m = a["band_x"], a["band_mean"]
+        if gap is not None:
+            ax.axvspan(*gap, color="#f2d7a6", alpha=0.5, lw=0, label="no training data")
         ax.fill_between(x, m - 2 * a["band_sd"], m + 2 * a["band_sd"], color="C0", alpha=0.2, label="±2 sd (total)")
         ax.fill_between(x, m - 2 * a["band_sd_epistemic"], m + 2 * a["band_sd_epistemic"], color="C0", alpha=0.35,
                         label="±2 sd (function)")
@@ -148,9 +207,30 @@ def predictive_bands(records: Sequence[Mapping[str, Any]], dataset: str) -> Figu
         ax.set_title(label, fontsize=10)
     for ax in axes[len(panels):]:
         ax.set_visible(False)
+    for ax in axes[: len(panels)]:
+        ax.set_xlabel("input x")
+        ax.set_ylabel("target y")
+        ax.tick_params(labelbottom=True, labelleft=True)
     axes[0].legend(fontsize=7, loc="best")
+    gap_note = (f" Shaded: the gap in the training inputs ({gap[0]:.2g} to {gap[1]:.2g}), where a good posterior "
+                "is more uncertain." if gap is not None else "")
     return encode(fig, f"{dataset}: predictive bands",
-                  "First split and seed of each method; targets on the original scale.")
+                  "First split and seed of each method; inputs and targets on the original scale; bands ±2 sd of the "
+                  f"predictive (total) and of the function (epistemic).{gap_note}")
+
+
+def training_gap(train_x: np.ndarray) -> tuple[float, float] | None:
+    """The widest interval between consecutive training inputs when it is much wider (over 5x)
+    than their median spacing: the region with no training data; None otherwise."""
+    x = np.sort(np.asarray(train_x, dtype=float).ravel())
+    if x.size < 4:
+        return None
+    d = np.diff(x)
+    i = int(np.argmax(d))
+    med = float(np.median(d))
+    if not d[i] > 5 * max(med, 1e-12):
+        return None
+    return float(x[i]), float(x[i + 1])
 
 
 def calibration(records: Sequence[Mapping[str, Any]], dataset: str) -> Figure | None:
@@ -158,6 +238,7 @@ def calibration(records: Sequence[Mapping[str, Any]], dataset: str) -> Figure | 
     groups = by_method(ok_records(records))
     colors = _colors(list(groups))
     curves: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    counts: dict[str, np.ndarray] = {}
     classification = False
     for label, recs in groups.items():
         arrs = [a for a in (_arrays(r) for r in recs) if "calib_level" in a or "reliab_confidence" in a]
@@ -167,25 +248,36 @@ def calibration(records: Sequence[Mapping[str, Any]], dataset: str) -> Figure | 
             curves[label] = (arrs[0]["calib_level"], np.mean([a["calib_observed"] for a in arrs], axis=0))
         else:
             classification = True
-            count = np.sum([a["reliab_count"] for a in arrs], axis=0).astype(float)
-            with np.errstate(invalid="ignore", divide="ignore"):
-                conf = np.nansum([a["reliab_confidence"] * a["reliab_count"] for a in arrs], axis=0) / count
-                acc = np.nansum([a["reliab_accuracy"] * a["reliab_count"] for a in arrs], axis=0) / count
+            if all("reliab_top_prob" in a for a in arrs):
+                conf, acc, count = adaptive_reliability(np.concatenate([a["reliab_top_prob"] for a in arrs]),
+                                                        np.concatenate([a["reliab_correct"] for a in arrs]))
+            else:  # older records: the stored equal-width bins
+                count = np.sum([a["reliab_count"] for a in arrs], axis=0).astype(float)
+                with np.errstate(invalid="ignore", divide="ignore"):
+                    conf = np.nansum([a["reliab_confidence"] * a["reliab_count"] for a in arrs], axis=0) / count
+                    acc = np.nansum([a["reliab_accuracy"] * a["reliab_count"] for a in arrs], axis=0) / count
+            counts[label] = count
             curves[label] = (conf, acc)
     if not curves:
         return None
-    fig = _new(4.6, 4.0)
+    fig = _new(6.0, 5.0)
     ax = fig.subplots()
     ax.plot([0, 1], [0, 1], ls="--", color="0.5", lw=1, label="calibrated")
+    markers = {label: MARKERS[i % len(MARKERS)] for i, label in enumerate(groups)}
     for label, (x, y) in curves.items():
         keep = np.isfinite(x) & np.isfinite(y)
-        ax.plot(x[keep], y[keep], "o-", ms=3, color=colors[label], label=label)
+        ax.plot(x[keep], y[keep], "-", marker=markers[label], ms=5, color=colors[label], label=label)
+        if label in counts:  # how many test points each bin holds
+            for xi, yi, ni in zip(x[keep], y[keep], np.asarray(counts[label])[keep]):
+                ax.annotate(f"{int(ni)}", (xi, yi), xytext=(3, -9), textcoords="offset points", fontsize=6,
+                            color=colors[label])
     ax.set_xlim(0, 1)
     ax.set_ylim(0, 1)
     if classification:
-        ax.set_xlabel("confidence (top-class probability)")
-        ax.set_ylabel("accuracy")
-        caption = "Reliability diagram pooled over splits and seeds."
+        ax.set_xlabel("confidence (mean top-class probability in the bin)")
+        ax.set_ylabel("accuracy (fraction of the bin's test points correct)")
+        caption = ("Reliability diagram pooled over splits and seeds: equal-count bins of the test points by "
+                   "confidence (at least 20 points a bin, at most 10 bins), each labelled with its count.")
     else:
         ax.set_xlabel("nominal central-interval level")
         ax.set_ylabel("observed coverage on the test set")
@@ -193,6 +285,24 @@ def calibration(records: Sequence[Mapping[str, Any]], dataset: str) -> Figure | 
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     return encode(fig, f"{dataset}: calibration", caption)
+
+
+def adaptive_reliability(top_prob: np.ndarray, correct: np.ndarray, *, min_count: int = 20,
+                         max_bins: int = 10) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Equal-count reliability bins: ``(mean confidence, accuracy, count)`` per bin.
+
+    With N points, ``clip(N // min_count, 1, max_bins)`` bins of (nearly) equal count, in order
+    of confidence: unlike equal-width bins, none is empty and none rests on a handful of
+    points (57 test points in 15 equal-width bins zig-zag).
+    """
+    p = np.asarray(top_prob, dtype=float)
+    c = np.asarray(correct, dtype=float)
+    order = np.argsort(p, kind="stable")
+    bins = int(np.clip(p.size // min_count, 1, max_bins))
+    parts = np.array_split(order, bins)
+    conf = np.array([p[i].mean() for i in parts])
+    acc = np.array([c[i].mean() for i in parts])
+    return conf, acc, np.array([i.size for i in parts], dtype=float)
 
 
 def elbo_curves(records: Sequence[Mapping[str, Any]], dataset: str) -> Figure | None:

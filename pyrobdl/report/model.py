@@ -37,6 +37,8 @@ class Table:
         A sentence above the table (e.g. that the reference is not certified).
     preface_kind : str
         ``"warning"`` or ``""`` (styling of the preface only).
+    collapsed : bool
+        Long tables for the curious: shown folded (HTML ``<details>``) under their title.
     """
 
     title: str
@@ -47,6 +49,7 @@ class Table:
     cell_kinds: tuple[tuple[str, ...], ...] = ()
     preface: str = ""
     preface_kind: str = ""
+    collapsed: bool = False
 
     def cell_kind(self, row: int, col: int) -> str:
         """The kind of one cell (``""`` when none is set)."""
@@ -81,12 +84,16 @@ class Section:
     paragraphs : tuple of str
     tables : tuple of Table
     figures : tuple of Figure
+    verdict : tuple of str
+        Sentences that open the section (best method, cost, reference status, flagged methods),
+        shown before anything else.
     """
 
     title: str
     paragraphs: tuple[str, ...] = ()
     tables: tuple[Table, ...] = ()
     figures: tuple[Figure, ...] = ()
+    verdict: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,9 @@ p.note { font-size: .8em; color: #555; max-width: 60em; }
 figure { margin: 1em 0; } figcaption { font-size: .8em; color: #555; }
 img { max-width: 100%; border: 1px solid #eee; }
 ul.summary { font-size: .9em; } nav ul { columns: 3; font-size: .9em; }
+div.verdict { border: 1px solid #9ab; background: #f4f8fb; padding: .2em 1em; margin: 1em 0; max-width: 70em; }
+div.verdict h3 { margin: .4em 0; } div.verdict li { margin: .25em 0; }
+details { margin: .8em 0; } summary { cursor: pointer; font-weight: 600; }
 """
 
 
@@ -55,13 +58,18 @@ def _html_table(t: Table) -> str:
     if t.preface:
         pcls = f"preface {t.preface_kind}" if t.preface_kind else "preface"
         preface = f'<p class="{e(pcls)}">{e(t.preface)}</p>\n'
-    return (f"<h3>{e(t.title)}</h3>\n{preface}<table>\n<tr>{head}</tr>\n" + "\n".join(body)
-            + f"\n</table>\n{note}")
+    table = f"{preface}<table>\n<tr>{head}</tr>\n" + "\n".join(body) + f"\n</table>\n{note}"
+    if t.collapsed:
+        return f"<details>\n<summary>{e(t.title)} ({len(t.rows)} rows)</summary>\n{table}</details>"
+    return f"<h3>{e(t.title)}</h3>\n{table}"
 
 
 def _html_section(s: Section) -> str:
     e = html.escape
     parts = [f'<section id="{_anchor(s.title)}">\n<h2>{e(s.title)}</h2>']
+    if s.verdict:
+        items = "".join(f"<li>{e(v)}</li>" for v in s.verdict)
+        parts.append(f'<div class="verdict">\n<h3>Verdict</h3>\n<ul>{items}</ul>\n</div>')
     parts += [f"<p>{e(p)}</p>" for p in s.paragraphs]
     parts += [_html_table(t) for t in s.tables]
     for f in s.figures:
@@ -87,14 +95,20 @@ def to_html(report: ReportModel) -> str:
     )
 
 
+def _md_text(text: str) -> str:
+    """Text for Markdown: HTML metacharacters escaped, so a label or an error message holding
+    ``<script>`` or ``<img ...>`` stays text in any Markdown viewer (``>`` alone opens no tag)."""
+    return text.replace("&", "&amp;").replace("<", "&lt;")
+
+
 def _md_cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
+    return _md_text(text).replace("|", "\\|").replace("\n", " ")
 
 
 def _md_table(t: Table) -> str:
-    lines = [f"### {t.title}", ""]
+    lines = [f"### {_md_text(t.title)}" + (" (details)" if t.collapsed else ""), ""]
     if t.preface:
-        lines += [f"**{t.preface}**" if t.preface_kind == "warning" else t.preface, ""]
+        lines += [f"**{_md_text(t.preface)}**" if t.preface_kind == "warning" else _md_text(t.preface), ""]
     lines += ["| " + " | ".join(_md_cell(c) for c in t.columns) + " |",
               "|" + "|".join("---" for _ in t.columns) + "|"]
     for i, row in enumerate(t.rows):
@@ -106,19 +120,21 @@ def _md_table(t: Table) -> str:
             cells[0] = f"**{cells[0]}**"
         lines.append("| " + " | ".join(cells) + " |")
     if t.note:
-        lines += ["", t.note]
+        lines += ["", _md_text(t.note)]
     return "\n".join(lines)
 
 
 def to_markdown(report: ReportModel) -> str:
     """The report's tables as Markdown (figures are in the HTML page; their titles are listed)."""
-    out = [f"# {report.title}", ""] + [f"- {line}" for line in report.summary] + [""]
+    out = [f"# {_md_text(report.title)}", ""] + [f"- {_md_text(line)}" for line in report.summary] + [""]
     for s in report.sections:
-        out += [f"## {s.title}", ""]
+        out += [f"## {_md_text(s.title)}", ""]
+        if s.verdict:
+            out += ["**Verdict**", ""] + [f"- {_md_text(v)}" for v in s.verdict] + [""]
         for p in s.paragraphs:
-            out += [p, ""]
+            out += [_md_text(p), ""]
         for t in s.tables:
             out += [_md_table(t), ""]
         if s.figures:
-            out += ["Figures (in report.html): " + "; ".join(f.title for f in s.figures) + ".", ""]
+            out += ["Figures (in report.html): " + "; ".join(_md_text(f.title) for f in s.figures) + ".", ""]
     return "\n".join(out).rstrip() + "\n"

@@ -21,22 +21,29 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from .formatting import _finite, decimals_for, fmt, fmt_column, fmt_fixed, fmt_mean_se, mean_se
 from .model import Table
 from .published import PUBLISHED, PublishedRow
 
 __all__ = [
     "HIGHER_IS_BETTER",
+    "KEY_DIAGNOSTICS",
     "KEY_METRICS",
     "METRIC_GROUPS",
     "REFERENCE_CERTIFIED",
     "UNCERTIFIED_MARK",
     "agreement_table",
     "all_metrics_table",
+    "arrow",
     "cost_rows",
+    "decimals_for",
     "diagnostics_table",
+    "diagnostics_tables",
     "exact_table",
     "failures_table",
     "fmt",
+    "fmt_column",
+    "fmt_fixed",
     "gradient_variance_tables",
     "main_table",
     "mean_se",
@@ -55,8 +62,25 @@ KEY_METRICS = (
     "rmse", "test_ll", "test_error", "accuracy", "nll", "ece", "brier", "crps",
     "coverage_90", "pit_calibration_error",
 )
-#: Direction of metrics used in verdicts and in the quality-versus-cost figure.
-HIGHER_IS_BETTER = {"rmse": False, "test_ll": True, "test_error": False, "accuracy": True, "nll": False}
+#: Direction of metrics used in verdicts, in column headers (↑/↓) and in the figures.
+HIGHER_IS_BETTER = {
+    "rmse": False, "test_ll": True, "test_error": False, "accuracy": True, "nll": False, "ece": False,
+    "brier": False, "crps": False, "pit_calibration_error": False, "loo_ll": True,
+    "w2_to_reference": False, "w2_function_to_reference": False, "kl_gaussian_to_reference": False,
+}
+#: The diagnostics a reader must check, as (column header, where it is read from): a flattened
+#: ``diagnostics`` key or a ``train_metrics`` key.  Everything else is folded.
+KEY_DIAGNOSTICS = (
+    ("R-hat (function) ↓", "function_space.rhat_max"),
+    ("bulk ESS (function) ↑", "function_space.ess_bulk_min"),
+    ("tail ESS (function) ↑", "function_space.ess_tail_min"),
+    ("divergences ↓", "divergences"),
+    ("tree depth hit (fraction) ↓", "max_tree_depth_fraction"),
+    ("step cap hits ↓", "num_steps_cap_hits_sampling"),
+    ("E-BFMI ↑", "ebfmi"),
+    ("PSIS-LOO max k̂ ↓", "loo_pareto_k_max"),
+    ("VI k̂ ↓", "vi_pareto_k"),
+)
 #: Metrics derived from stored ones for comparison with published numbers.
 DERIVED = {"test_error": ("accuracy", lambda a: 1.0 - a)}
 #: Key of ``pyrobdl.diagnostics.evaluate`` saying whether the reference was certified (1.0 / 0.0):
@@ -67,34 +91,22 @@ UNCERTIFIED_MARK = " †"
 UNCERTIFIED_NOTE = "† computed against a reference posterior that is not certified: the number means nothing."
 
 
-def _finite(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+def arrow(metric: str) -> str:
+    """``metric`` with ↑ (higher is better) or ↓ (lower is better) when its direction is known."""
+    if metric in HIGHER_IS_BETTER:
+        return f"{metric} {'↑' if HIGHER_IS_BETTER[metric] else '↓'}"
+    if metric.startswith("coverage_"):
+        return f"{metric} (→ {int(metric.split('_')[1]) / 100:g})"
+    return metric
 
 
-def fmt(v: Any, digits: int = 4) -> str:
-    """A number with ``digits`` significant digits; "—" for missing or non-finite values."""
-    if not _finite(v):
-        return "—" if v is None else str(v)
-    if v != 0 and (abs(v) >= 1e6 or abs(v) < 1e-3):
-        return f"{v:.{digits - 1}e}"
-    return f"{v:.{digits}g}"
-
-
-def mean_se(values: Sequence[float]) -> tuple[float, float, int]:
-    """Mean, standard error (NaN for one value) and count of the finite ``values``."""
-    vals = np.asarray([v for v in values if _finite(v)], dtype=float)
-    n = vals.size
-    if n == 0:
-        return math.nan, math.nan, 0
-    se = float(vals.std(ddof=1) / math.sqrt(n)) if n > 1 else math.nan
-    return float(vals.mean()), se, n
-
-
-def fmt_mean_se(mean: float, se: float) -> str:
-    """``mean ± se`` (just the mean when the s.e. is unknown)."""
-    if not _finite(mean):
-        return "—"
-    return fmt(mean) if not _finite(se) else f"{fmt(mean)} ± {fmt(se, 2)}"
+def se_note(groups: Mapping[str, Sequence[Any]]) -> str:
+    """How to read the numbers: a single cell each, or mean ± s.e. over how many."""
+    counts = sorted({len(v) for v in groups.values()})
+    if counts == [1]:
+        return "One cell (split and seed) per method: single values, no standard error."
+    return (f"Mean over splits and seeds ({', '.join(map(str, counts))} cells per method) ± standard error "
+            "where there is more than one cell.")
 
 
 def ok_records(records: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
@@ -280,29 +292,47 @@ def cost_rows(records: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, tuple
 
 
 def main_table(records: Sequence[Mapping[str, Any]]) -> Table:
-    """Methods x key metrics (mean ± s.e.) and cost, with applicable published rows below."""
+    """Methods x key metrics and cost, best first on the headline metric, the reference marked;
+    applicable published rows below."""
     oks = ok_records(records)
     present = set(_metric_keys(oks)) | {k for k, (src, _) in DERIVED.items() if src in _metric_keys(oks)}
     keys = [k for k in KEY_METRICS if k in present]
-    columns = ("method", "cells", *keys, "fit time (s)", "gradient evals", "device")
-    rows, kinds = [], []
-    costs = cost_rows(oks)
+    groups = by_method(oks)
+    headline = next((k for k in ("test_ll", "accuracy", "nll", "rmse") if k in keys), None)
+    if headline is not None:
+        sign = -1.0 if HIGHER_IS_BETTER[headline] else 1.0
+
+        def order(label: str) -> tuple[float, str]:
+            m = mean_se(metric_values(groups[label], headline))[0]
+            return (sign * m if _finite(m) else math.inf, label)
+
+        groups = {label: groups[label] for label in sorted(groups, key=order)}
+    columns = ("method", "cells", *[arrow(k) for k in keys], "CPU time (s) ↓", "wall time (s)", "gradient evals ↓",
+               "device")
     refs = set(reference_methods(records))
-    for label, recs in by_method(oks).items():
-        cells = [fmt_mean_se(*mean_se(metric_values(recs, k))[:2]) for k in keys]
-        c = costs[label]
+    stats = {k: [mean_se(metric_values(recs, k)) for recs in groups.values()] for k in keys}
+    cost_keys = ("cpu_time_s", "wall_time_s", "gradient_evaluations")
+    for c in cost_keys:
+        stats[c] = [mean_se([(r.get("cost") or {}).get(c) for r in recs]) for recs in groups.values()]
+    cells = {k: fmt_column(v) for k, v in stats.items()}
+    cells["gradient_evaluations"] = [fmt_fixed(m, 0) if _finite(m) else "—" for m, _, _ in stats["gradient_evaluations"]]
+    rows, kinds = [], []
+    for i, (label, recs) in enumerate(groups.items()):
         devices = sorted({str((r.get("cost") or {}).get("device", "")) for r in recs})
-        rows.append((f"{label} (reference)" if label in refs else label, str(len(recs)), *cells,
-                     fmt_mean_se(*c["wall_time_s"][:2]), fmt(c["gradient_evaluations"][0]), ", ".join(devices)))
+        rows.append((f"{label} (reference)" if label in refs else label, str(len(recs)),
+                     *[cells[k][i] for k in keys], *[cells[c][i] for c in cost_keys], ", ".join(devices)))
         kinds.append("reference" if label in refs else "ours")
-    for row, ds_key, labels in published_rows(oks):
+    pubs = published_rows(oks)
+    for row, ds_key, labels in pubs:
         vals = row.results.get(ds_key, {})
-        cells = [fmt_mean_se(*vals[k]) if k in vals else "" for k in keys]
-        rows.append((f"{row.label} [published; cf. {', '.join(labels)}]", "", *cells, "", "", ""))
+        pcells = [fmt_mean_se(*vals[k]) if k in vals else "" for k in keys]
+        rows.append((f"{row.label} [published; cf. {', '.join(labels)}]", "", *pcells, "", "", "", ""))
         kinds.append("published")
-    note = ("Mean ± standard error over splits and seeds. Published rows: " +
-            "; ".join(f"{row.label}: {row.source}" for row, _, _ in published_rows(oks))) if published_rows(oks) else \
-        "Mean ± standard error over splits and seeds."
+    note = (f"Best first on {headline}. " if headline else "") + se_note(groups) + (
+        " ↑ higher is better, ↓ lower is better; coverage_p should be near p. CPU time: the fit's process "
+        "CPU seconds (wall time on a shared machine also measures other jobs).")
+    if pubs:
+        note += " Published rows: " + "; ".join(f"{row.label}: {row.source}" for row, _, _ in pubs)
     return Table("Predictive quality and cost", columns, tuple(rows), tuple(kinds), note)
 
 
@@ -337,7 +367,7 @@ def published_table(records: Sequence[Mapping[str, Any]]) -> Table | None:
 
 def all_metrics_table(records: Sequence[Mapping[str, Any]], keys: Sequence[str] | None = None,
                       title: str = "All test metrics", note: str = "", group: str = "metrics",
-                      agreement_keys: Iterable[str] = ()) -> Table | None:
+                      agreement_keys: Iterable[str] = (), collapsed: bool = False) -> Table | None:
     """Metrics (rows) x methods (columns), mean ± s.e.; ``keys`` restricts the metrics of ``group``.
 
     Cells of ``agreement_keys`` computed against a reference that is not certified are marked
@@ -351,14 +381,14 @@ def all_metrics_table(records: Sequence[Mapping[str, Any]], keys: Sequence[str] 
     flagged, index = set(agreement_keys), _index(records)
     rows, cell_kinds = [], []
     for k in keys:
-        cells = [_flag(fmt_mean_se(*mean_se(metric_values(recs, k))[:2]), k in flagged and _uncertified(recs, k, index))
-                 for recs in groups.values()]
-        rows.append((k, *[c for c, _ in cells]))
+        texts = fmt_column([mean_se(metric_values(recs, k)) for recs in groups.values()])
+        cells = [_flag(t, k in flagged and _uncertified(recs, k, index)) for t, recs in zip(texts, groups.values())]
+        rows.append((arrow(k), *[c for c, _ in cells]))
         cell_kinds.append(("", *[kind for _, kind in cells]))
-    note = note or "Mean ± standard error over splits and seeds."
+    note = (note + " " if note else "") + se_note(groups)
     if any("uncertified" in kinds for kinds in cell_kinds):
         note += " " + UNCERTIFIED_NOTE
-    return Table(title, ("metric", *groups), tuple(rows), (), note, tuple(cell_kinds))
+    return Table(title, ("metric", *groups), tuple(rows), (), note, tuple(cell_kinds), collapsed=collapsed)
 
 
 def agreement_table(records: Sequence[Mapping[str, Any]], keys: Sequence[str] | None = None) -> Table | None:
@@ -375,11 +405,14 @@ def agreement_table(records: Sequence[Mapping[str, Any]], keys: Sequence[str] | 
     index = _index(records)
     refs = set(reference_methods(records))
     rows, kinds, cell_kinds = [], [], []
-    for label, recs in by_method(oks).items():
-        used = [r for r in recs if (r.get("reference") or {}).get("used")]
-        if not used and label not in refs:
-            continue
-        cells = [_flag(fmt_mean_se(*mean_se(metric_values(used, k))[:2]), _uncertified(used, k, index)) for k in keys]
+    kept = {label: [r for r in recs if (r.get("reference") or {}).get("used")] for label, recs in by_method(oks).items()}
+    kept = {label: used for label, used in kept.items() if used or label in refs}
+    # closest first on the first key
+    kept = dict(sorted(kept.items(), key=lambda kv: (kv[0] not in refs,
+                                                     _sort_value(mean_se(metric_values(kv[1], keys[0]))[0]), kv[0])))
+    texts = {k: fmt_column([mean_se(metric_values(used, k)) for used in kept.values()]) for k in keys}
+    for i, (label, used) in enumerate(kept.items()):
+        cells = [_flag(texts[k][i], _uncertified(used, k, index)) for k in keys]
         rows.append((f"{label} (reference)" if label in refs else label, str(len(used)), *[c for c, _ in cells]))
         kinds.append("reference" if label in refs else "ours")
         cell_kinds.append(("", "", *[kind for _, kind in cells]))
@@ -390,8 +423,13 @@ def agreement_table(records: Sequence[Mapping[str, Any]], keys: Sequence[str] | 
             "the cells evaluated against it (the reference method's own row: its other seeds, the noise floor).")
     if not certified:
         note += " " + UNCERTIFIED_NOTE
-    return Table("Agreement with the reference posterior", ("method", "cells", *keys), tuple(rows), tuple(kinds),
+    return Table("Agreement with the reference posterior", ("method", "cells", *[arrow(k) for k in keys]),
+                 tuple(rows), tuple(kinds),
                  note, tuple(cell_kinds), preface, "" if certified else "warning")
+
+
+def _sort_value(v: float) -> float:
+    return v if _finite(v) else math.inf
 
 
 def exact_table(records: Sequence[Mapping[str, Any]]) -> Table | None:
@@ -436,29 +474,74 @@ def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def diagnostics_table(records: Sequence[Mapping[str, Any]]) -> Table | None:
-    """Method diagnostics stored with the fits (e.g. MCMC R-hat, ESS, divergences), per method.
-
-    Each scalar diagnostic is averaged over cells; list-valued ones (one value per chain) are
-    first averaged over their entries, and the range over cells and entries is shown beside.
-    """
+def _diagnostic_rows(recs: Sequence[Mapping[str, Any]]) -> list[tuple[str, str, str, str]]:
+    """(name, mean ± s.e., range, cells) of every diagnostic of one method's cells."""
+    flat = [{k: v for k, v in _flatten(r.get("diagnostics") or {}).items()
+             if not k.startswith("certification.criteria.")} for r in recs]
     rows = []
-    for label, recs in by_method(ok_records(records)).items():
-        # the certification's thresholds are the same for every cell: not diagnostics
-        flat = [{k: v for k, v in _flatten(r.get("diagnostics") or {}).items()
-                 if not k.startswith("certification.criteria.")} for r in recs]
-        for key in sorted({k for f in flat for k in f}):
-            vals = [f[key] for f in flat if key in f]
-            summ = [s for s in (_summarise(v) for v in vals) if s is not None]
-            if not summ:
-                continue
-            entries = np.asarray([x for v in vals for x in np.ravel(np.asarray(v, dtype=object)) if _finite(x)], dtype=float)
-            m, se, n = mean_se(summ)
-            rows.append((label, key, fmt_mean_se(m, se), f"[{fmt(entries.min())}, {fmt(entries.max())}]", str(n)))
+    for key in sorted({k for f in flat for k in f}):
+        vals = [f[key] for f in flat if key in f]
+        summ = [s for s in (_summarise(v) for v in vals) if s is not None]
+        if not summ:
+            continue
+        entries = np.asarray([x for v in vals for x in np.ravel(np.asarray(v, dtype=object)) if _finite(x)], dtype=float)
+        m, se, n = mean_se(summ)
+        rows.append((key, fmt_mean_se(m, se), f"[{fmt(entries.min())}, {fmt(entries.max())}]", str(n)))
+    return rows
+
+
+def diagnostics_tables(records: Sequence[Mapping[str, Any]]) -> list[Table]:
+    """Method diagnostics: the key ones (:data:`KEY_DIAGNOSTICS`: function-space R-hat and ESS,
+    divergences, tree-depth and step-cap saturation, E-BFMI, Pareto k̂) as methods x columns,
+    and every diagnostic each method reports, folded.
+
+    Per-chain lists are averaged over chains, then over cells; ranges run over cells and chains.
+    For the saturation and divergence columns the worst chain is shown instead (a single
+    saturated chain matters).
+    """
+    groups = by_method(ok_records(records))
+    worst = {"divergences", "max_tree_depth_fraction", "num_steps_cap_hits_sampling"}
+    present = []
+    for header, key in KEY_DIAGNOSTICS:
+        if any(key in _flatten(r.get("diagnostics") or {}) or key in (r.get("train_metrics") or {})
+               for recs in groups.values() for r in recs):
+            present.append((header, key))
+    columns = []
+    for _, key in present:
+        stats = []
+        for recs in groups.values():
+            vals = []
+            for r in recs:
+                v = _flatten(r.get("diagnostics") or {}).get(key, (r.get("train_metrics") or {}).get(key))
+                flat = [x for x in np.ravel(np.asarray(v, dtype=object)) if _finite(x)] if v is not None else []
+                if flat:
+                    vals.append(max(flat) if key in worst else float(np.mean(flat)))
+            stats.append(mean_se(vals))
+        columns.append(fmt_column(stats))  # one number format per column
+    key_rows = [(label, *cells) for label, *cells in zip(groups, *columns) if any(c != "—" for c in cells)]
+    other_rows = [(label, *row) for label, recs in groups.items() for row in _diagnostic_rows(recs)]
+    tables = []
+    if key_rows and present:
+        tables.append(Table(
+            "Key diagnostics", ("method", *[h for h, _ in present]), tuple(key_rows), (),
+            "Certification wants function-space R-hat below 1.01, bulk and tail ESS of at least 400, no divergences "
+            "and E-BFMI above 0.2 (docs/diagnostics.md); any tree-depth or step-cap hit shortens trajectories; "
+            "Pareto k̂ above 0.7 makes importance weights unreliable. Divergences and saturation: worst chain."))
+    if other_rows:
+        tables.append(Table("All method diagnostics", ("method", "diagnostic", "mean (± s.e. over cells)", "range", "cells"),
+                            tuple(other_rows), (), "As reported by each method in posterior.diagnostics "
+                            "(per-chain lists averaged).", collapsed=True))
+    return tables
+
+
+def diagnostics_table(records: Sequence[Mapping[str, Any]]) -> Table | None:
+    """Every method diagnostic in one table, per method (see :func:`diagnostics_tables`)."""
+    rows = tuple((label, *row) for label, recs in by_method(ok_records(records)).items()
+                 for row in _diagnostic_rows(recs))
     if not rows:
         return None
-    return Table("Method diagnostics", ("method", "diagnostic", "mean ± s.e. over cells", "range", "cells"),
-                 tuple(rows), (), "As reported by each method in posterior.diagnostics (per-chain lists averaged).")
+    return Table("Method diagnostics", ("method", "diagnostic", "mean (± s.e. over cells)", "range", "cells"), rows, (),
+                 "As reported by each method in posterior.diagnostics (per-chain lists averaged).")
 
 
 def gradient_variance_tables(records: Sequence[Mapping[str, Any]]) -> list[Table]:
@@ -495,5 +578,6 @@ def failures_table(records: Sequence[Mapping[str, Any]]) -> Table | None:
             kinds.append("")
     if not rows:
         return None
+    # warnings alone are folded (each dataset's verdict already names what they say); failures are not
     return Table("Failures and warnings", ("cell", "status", "stage", "message"), tuple(rows), tuple(kinds),
-                 "Full tracebacks are in each cell's result.json.")
+                 "Full tracebacks are in each cell's result.json.", collapsed="failed" not in kinds)

@@ -1,0 +1,195 @@
+r"""The verdict that opens each dataset section: which method, for what cost, and what to distrust.
+
+Computed from stored records only (like every table), as short sentences:
+
+* the reference posterior and whether it is certified (with the certification's own reasons);
+* the best method on the headline metric (test log-likelihood when present), with its value;
+* the method closest to the reference on the first agreement metric (function-space
+  Wasserstein-2 when present), greyed in words when the reference is not certified;
+* the cheapest method (process CPU seconds of the fit; gradient evaluations where CPU time was
+  not recorded) whose headline metric is within :data:`TOLERANCE` of the best;
+* every method flagged, each with its reasons in words (see :func:`method_flags`).
+
+Thresholds are named here so the report's words and the docs agree:
+:data:`TOLERANCE`, :data:`LOW_COVERAGE`, :data:`BAD_PARETO_K`, :data:`STILL_IMPROVING`.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from .tables import (
+    HIGHER_IS_BETTER,
+    by_method,
+    mean_se,
+    metric_values,
+    ok_records,
+    reference_methods,
+    reference_metric_keys,
+    reference_status,
+)
+
+__all__ = [
+    "BAD_PARETO_K",
+    "HEADLINE_METRICS",
+    "LOW_COVERAGE",
+    "STILL_IMPROVING",
+    "TOLERANCE",
+    "cost_of",
+    "headline_metric",
+    "method_flags",
+    "verdict",
+]
+
+#: Headline metric of a dataset: the first of these the records have.
+HEADLINE_METRICS = ("test_ll", "accuracy", "nll", "rmse")
+#: "Within tolerance of the best", per headline metric (test LL: nats per test point).
+TOLERANCE = {"test_ll": 0.1, "accuracy": 0.01, "nll": 0.1, "rmse": 0.05}
+#: A 90% central predictive interval covering fewer test points than this is overconfident.
+LOW_COVERAGE = 0.7
+#: Pareto k-hat above this: importance weights unreliable (Vehtari et al. 2017; Yao et al. 2018).
+BAD_PARETO_K = 0.7
+#: SVI objective still improving: the last 10% of steps gained more than this share of the
+#: whole run's gain over the 10% before them.
+STILL_IMPROVING = 0.05
+
+
+def headline_metric(records: Sequence[Mapping[str, Any]]) -> str | None:
+    """The dataset's headline metric (see :data:`HEADLINE_METRICS`), or None."""
+    oks = ok_records(records)
+    return next((m for m in HEADLINE_METRICS if any(metric_values([r], m) for r in oks)), None)
+
+
+def cost_of(recs: Sequence[Mapping[str, Any]]) -> tuple[float, str]:
+    """Mean fit cost of a method's cells: CPU seconds if every cell recorded them, else gradient
+    evaluations; returns ``(value, unit)``."""
+    costs = [r.get("cost") or {} for r in recs]
+    cpu = [c.get("cpu_time_s") for c in costs]
+    if cpu and all(isinstance(v, (int, float)) and math.isfinite(v) for v in cpu):
+        return float(np.mean(cpu)), "CPU s"
+    return mean_se([c.get("gradient_evaluations") for c in costs])[0], "gradient evaluations"
+
+
+def _num(v: float) -> str:
+    if not math.isfinite(v):
+        return "—"
+    return f"{v:.3g}" if abs(v) < 1e4 else f"{v:,.0f}"
+
+
+def _history(record: Mapping[str, Any]) -> np.ndarray | None:
+    name = (record.get("artifacts") or {}).get("arrays")
+    if not name or "_dir" not in record or not (Path(record["_dir"]) / name).exists():
+        return None
+    with np.load(Path(record["_dir"]) / name) as data:
+        return np.asarray(data["history"], dtype=float) if "history" in data.files else None
+
+
+def still_improving(history: np.ndarray) -> float | None:
+    """Share of the run's gain made by the last 10% of steps over the 10% before (None when the
+    history is too short or flat); above :data:`STILL_IMPROVING` the fit had not converged."""
+    h = history[np.isfinite(history)]
+    if h.size < 50:
+        return None
+    tenth = h.size // 10
+    first, before, last = h[:tenth].mean(), h[-2 * tenth:-tenth].mean(), h[-tenth:].mean()
+    gain = last - first
+    if not gain > 0:
+        return None
+    return float((last - before) / gain)
+
+
+def method_flags(recs: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Reasons, in words, not to trust one method's cells (empty when none).
+
+    Read from the records: a failed certification (Markov chains), tree-depth or step-cap
+    saturation, divergences, 90% coverage below :data:`LOW_COVERAGE`, Pareto k-hat of PSIS-LOO
+    or of the variational fit above :data:`BAD_PARETO_K`, and an SVI objective still improving
+    at the end of training.
+    """
+    flags: list[str] = []
+    certs = [r.get("certification") for r in recs if isinstance(r.get("certification"), Mapping)]
+    failed = [c for c in certs if not c.get("passed")]
+    if failed:
+        reasons = sorted({str(f) for c in failed for f in c.get("failures") or []})
+        flags.append(f"not certified ({len(failed)} of {len(recs)} cells): " + "; ".join(reasons[:3]))
+    diags = [r.get("diagnostics") or {} for r in recs]
+    depth = [f for d in diags for f in (d.get("max_tree_depth_fraction") or [])]
+    if depth and max(depth) > 0:
+        flags.append(f"hit the maximum tree depth on up to {100 * max(depth):.0f}% of sampling iterations")
+    caps = [c for d in diags for c in (d.get("num_steps_cap_hits_sampling") or [])]
+    if caps and max(caps) > 0:
+        flags.append(f"leapfrog-step cap cut {sum(caps)} sampling trajectories")
+    div = [c for d in diags for c in (d.get("divergences") or [])] if all(
+        isinstance(d.get("divergences"), list) for d in diags if "divergences" in d) else []
+    if div and sum(div) > 0 and not failed:  # a failed certification already names divergences
+        flags.append(f"{sum(div)} divergent transition{'s' if sum(div) > 1 else ''}")
+    cov = mean_se(metric_values(recs, "coverage_90"))[0]
+    if math.isfinite(cov) and cov < LOW_COVERAGE:
+        flags.append(f"overconfident: its 90% predictive intervals cover {100 * cov:.0f}% of test points")
+    for key, what in (("vi_pareto_k", "the variational fit's Pareto k̂"), ("loo_pareto_k_max", "PSIS-LOO's largest Pareto k̂")):
+        k = mean_se(metric_values(recs, key))[0]
+        if math.isfinite(k) and k > BAD_PARETO_K:
+            flags.append(f"{what} {k:.2f} > {BAD_PARETO_K}")
+    if not certs:  # an objective trace that is not a Markov chain's log density
+        shares = [s for s in (still_improving(h) for h in (_history(r) for r in recs) if h is not None) if s is not None]
+        if shares and max(shares) > STILL_IMPROVING:
+            flags.append(f"not converged: the objective still improved by {100 * max(shares):.0f}% of its total "
+                         "gain over the last 10% of steps")
+    return flags
+
+
+def verdict(records: Sequence[Mapping[str, Any]]) -> tuple[str, ...]:
+    """The sentences that open a dataset section (see the module docstring)."""
+    oks = ok_records(records)
+    groups = by_method(oks)
+    if not groups:
+        return ("No finished cells: nothing to compare.",)
+    lines = []
+    refs = reference_methods(records)
+    status, certified = reference_status(records)
+    if refs:
+        if certified:
+            lines.append(f"Reference posterior: {', '.join(refs)}, certified (function-space R-hat, ESS, "
+                         "divergences and E-BFMI meet the reference criteria).")
+        else:
+            why = status.split("is NOT certified: ", 1)[-1].split("; agreement numbers below", 1)[0]
+            lines.append(f"Reference posterior: {', '.join(refs)}, NOT certified ({why}): every agreement number "
+                         "below is greyed and means nothing.")
+    else:
+        lines.append("No reference posterior in this suite: agreement with one is not measured.")
+    metric = headline_metric(records)
+    if metric is not None:
+        up = HIGHER_IS_BETTER[metric]
+        means = {m: mean_se(metric_values(recs, metric)) for m, recs in groups.items()}
+        means = {m: v for m, v in means.items() if v[2]}
+        if means:
+            best = (max if up else min)(means, key=lambda m: means[m][0])
+            lines.append(f"Best {metric} ({'higher' if up else 'lower'} is better): {best}, {_num(means[best][0])}.")
+            tol = TOLERANCE[metric]
+            near = [m for m, v in means.items() if (means[best][0] - v[0]) * (1 if up else -1) <= tol]
+            costs = {m: cost_of(groups[m]) for m in near}
+            cheapest = min(near, key=lambda m: costs[m][0])
+            value, unit = costs[cheapest]
+            lines.append(f"Cheapest within {tol} of the best {metric}: {cheapest} ({metric} {_num(means[cheapest][0])}, "
+                         f"{_num(value)} {unit} per fit).")
+    agree = reference_metric_keys(records)
+    if agree:
+        key = "w2_function_to_reference" if "w2_function_to_reference" in agree else agree[0]
+        dist = {m: mean_se(metric_values([r for r in recs if (r.get("reference") or {}).get("used")], key))
+                for m, recs in groups.items() if m not in refs}
+        dist = {m: v for m, v in dist.items() if v[2]}
+        if dist:
+            closest = min(dist, key=lambda m: dist[m][0])
+            caveat = "" if certified else " (against an uncertified reference: this means nothing)"
+            lines.append(f"Closest to the reference ({key}, lower is better): {closest}, {_num(dist[closest][0])}{caveat}.")
+    flagged = {m: method_flags(recs) for m, recs in groups.items()}
+    flagged = {m: f for m, f in flagged.items() if f}
+    if flagged:
+        lines.extend(f"Flagged: {m} — {'; '.join(f)}." for m, f in flagged.items())
+    else:
+        lines.append("No method flagged (certification, sampler saturation, coverage, Pareto k̂, convergence).")
+    return tuple(lines)
