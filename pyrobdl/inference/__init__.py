@@ -4,6 +4,7 @@ from . import builtin  # noqa: F401  (registers the built-in methods)
 from .elbo import DirectELBO, PyroELBO, make_elbo
 from .mcmc import MCMCPosterior, SamplerTrace
 from .reference import Reference, load_reference, run_reference
+from .score_function_elbo import ScoreFunctionELBO
 from .registry import Method, fit, get_method, methods, register_method, register_svi_method
 from .svi import LoopSettings, run_svi
 
@@ -15,6 +16,7 @@ __all__ = [
     "PyroELBO",
     "Reference",
     "SamplerTrace",
+    "ScoreFunctionELBO",
     "fit",
     "get_method",
     "load_reference",

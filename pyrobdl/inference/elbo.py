@@ -23,6 +23,7 @@ import torch
 from torch.distributions import kl_divergence
 
 from ..poutine import KLWeightMessenger
+from .score_function_elbo import ScoreFunctionELBO
 
 __all__ = ["DirectELBO", "ELBOS", "KL_TREATMENTS", "PyroELBO", "make_elbo"]
 
@@ -168,7 +169,9 @@ def make_elbo(
     model, guide
         Model and guide.
     elbo : {"direct", "trace", "jit_trace", "trace_graph"}
-        Estimator: pyrobdl's :class:`DirectELBO`, or Pyro's ``Trace_ELBO`` family.
+        Estimator: pyrobdl's :class:`DirectELBO`, or Pyro's ``Trace_ELBO`` family;
+        ``"trace_graph"`` is :class:`~pyrobdl.inference.ScoreFunctionELBO`, Pyro's
+        ``TraceGraph_ELBO`` with the particle baselines added.
     kl : {"analytic", "monte_carlo"}
         KL treatment.  ``"analytic"`` with ``"trace"``/``"jit_trace"`` selects Pyro's
         ``TraceMeanField_ELBO``/``JitTraceMeanField_ELBO``.  ``"trace_graph"`` needs
@@ -179,10 +182,17 @@ def make_elbo(
     Raises
     ------
     ValueError
-        For an unknown ``elbo`` or ``kl`` value or an impossible combination.
+        For an unknown ``elbo`` or ``kl`` value, an impossible combination, or fewer particles
+        than the guide's baseline needs (``guide.min_num_particles``).
     """
     if elbo not in ELBOS:
         raise ValueError(f"unknown elbo {elbo!r}; valid: {list(ELBOS)}")
+    needed = getattr(guide, "min_num_particles", 1)
+    if num_particles < needed:
+        raise ValueError(
+            f"num_particles={num_particles!r} is too few: the guide's baseline "
+            f"{getattr(guide, 'baseline', '')!r} needs at least {needed} particles per step"
+        )
     if kl not in KL_TREATMENTS:
         raise ValueError(f"unknown kl {kl!r}; valid: {list(KL_TREATMENTS)}")
     if elbo == "direct":
@@ -192,7 +202,7 @@ def make_elbo(
         ("trace", "analytic"): pyro.infer.TraceMeanField_ELBO,
         ("jit_trace", "monte_carlo"): pyro.infer.JitTrace_ELBO,
         ("jit_trace", "analytic"): pyro.infer.JitTraceMeanField_ELBO,
-        ("trace_graph", "monte_carlo"): pyro.infer.TraceGraph_ELBO,
+        ("trace_graph", "monte_carlo"): ScoreFunctionELBO,
     }
     if (elbo, kl) not in classes:
         raise ValueError(f"elbo={elbo!r} has no analytic KL; use kl='monte_carlo'")
