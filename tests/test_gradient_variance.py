@@ -181,6 +181,7 @@ def test_builtin_estimators_need_a_mean_field_guide():
         ({"estimators": ("native", "native")}, ValueError, "duplicates"),
         ({"num_draws": 1}, ValueError, "num_draws"),
         ({"num_particles": 0}, ValueError, "num_particles"),
+        ({"estimators": ("reparameterization", "score_function+leave_one_out")}, ValueError, "num_particles >= 2"),
         ({"batch_size": 0}, ValueError, "batch_size"),
         ({"baseline_warmup": -1}, ValueError, "baseline_warmup"),
         ({"kl": "exact"}, ValueError, "kl"),
@@ -204,7 +205,7 @@ def test_posterior_without_a_guide_is_refused():
 
 # Unbiasedness: all estimators target the same gradient.  Each per-element mean gradient must
 # agree with the reparameterization one within 4 combined standard errors (a two-sided
-# 6e-5 event per element for Gaussian errors; 12 elements x 3 estimators here).  Power: the
+# 6e-5 event per element for Gaussian errors; 12 elements x 5 estimators here).  Power: the
 # score-function standard errors must be small against the gradient itself, so a wrong sign or
 # a missing term (e.g. dropping the entropy part) would be caught.
 UNBIASED_DRAWS = 400
@@ -214,7 +215,8 @@ UNBIASED_PARTICLES = 32  # one draw averages 32 particles: 12,800 single-sample 
 @pytest.mark.slow
 def test_all_estimators_agree_in_expectation(blr):
     guide = off_optimum_guide(blr)
-    estimators = ("reparameterization", "local_reparameterization", "score_function", "score_function+baseline")
+    estimators = ("reparameterization", "local_reparameterization", "score_function", "score_function+baseline",
+                  "score_function+leave_one_out", "score_function+vargrad")
     table = gradient_variance(
         blr_model(), blr.x_train, blr.y_train, guide, estimators=estimators,
         num_draws=UNBIASED_DRAWS, num_particles=UNBIASED_PARTICLES, baseline_warmup=100,
