@@ -323,6 +323,34 @@ def test_bbvi_moves_to_the_mean_field_optimum_of_blr():
     assert (0.01 / exact.mean_field_sd).max() < BLR_SD_RATIO[0]  # the start is outside the band
 
 
+@pytest.mark.parametrize(
+    "baseline, num_particles", [("none", 1), ("none", 3), ("leave_one_out", 3), ("vargrad", 2), ("vargrad", 3)]
+)
+def test_surrogate_gradient_with_analytic_kl(baseline, num_particles):
+    """kl="analytic": closed-form KL, differentiated pathwise; the scores see only the log-likelihood."""
+    x, y = tiny_data()
+    model, guide = _make_guide(baseline)
+    loss_fn = make_elbo(model, guide, elbo="trace_graph", kl="analytic", num_particles=num_particles)
+    params, rho = _guide_params(guide)
+    with pyro.get_param_store().scope():
+        loss, grads, values = _autograd(guide, loss_fn, x, y)
+    _, loglik = _hand_costs(values, params, x, y)
+    s0 = torch.tensor(PRIOR_SCALE, dtype=torch.float64)
+    kl = {k: torch.log(s0 / sd) + (sd**2 + mu**2) / (2 * s0**2) - 0.5 for k, (mu, sd) in params.items()}
+    torch.testing.assert_close(loss, -(loglik.mean() - sum(kl.values())), rtol=RTOL, atol=ATOL)
+    p = num_particles
+    if baseline == "none":
+        effective = {k: loglik for k in params}
+    else:  # with the KL terms out of every cost, both baselines centre the log-likelihood
+        effective = {k: (loglik - loglik.mean()) * p / (p - 1) for k in params}
+    expected = _hand_gradients(values, params, effective, rho)
+    for name, (mu, sd) in params.items():
+        d_mu = mu / s0**2  # dKL/dmu
+        d_rho = (-1 / sd + sd / s0**2) * torch.sigmoid(rho[name])  # dKL/dsigma * dsigma/drho
+        torch.testing.assert_close(grads[name][0], expected[name][0] + d_mu, rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(grads[name][1], expected[name][1] + d_rho, rtol=RTOL, atol=ATOL)
+
+
 def _exact_elbo_gradient(guide, x, y):
     r"""Gradient of the negative ELBO of ``tiny_model`` in closed form (float64).
 

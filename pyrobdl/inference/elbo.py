@@ -15,6 +15,7 @@ both exposing a ``kl_weight`` attribute for KL annealing:
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pyro
@@ -174,8 +175,9 @@ def make_elbo(
         ``TraceGraph_ELBO`` with the particle baselines added.
     kl : {"analytic", "monte_carlo"}
         KL treatment.  ``"analytic"`` with ``"trace"``/``"jit_trace"`` selects Pyro's
-        ``TraceMeanField_ELBO``/``JitTraceMeanField_ELBO``.  ``"trace_graph"`` needs
-        ``"monte_carlo"``.
+        ``TraceMeanField_ELBO``/``JitTraceMeanField_ELBO``, and with ``"trace_graph"``
+        closed-form KL terms in :class:`~pyrobdl.inference.ScoreFunctionELBO` (the score
+        function then estimates only the gradient of the expected log-likelihood).
     num_particles : int
         Vectorized particles per step.
 
@@ -203,9 +205,8 @@ def make_elbo(
         ("jit_trace", "monte_carlo"): pyro.infer.JitTrace_ELBO,
         ("jit_trace", "analytic"): pyro.infer.JitTraceMeanField_ELBO,
         ("trace_graph", "monte_carlo"): ScoreFunctionELBO,
+        ("trace_graph", "analytic"): functools.partial(ScoreFunctionELBO, analytic_kl=True),
     }
-    if (elbo, kl) not in classes:
-        raise ValueError(f"elbo={elbo!r} has no analytic KL; use kl='monte_carlo'")
     cls = classes[(elbo, kl)]
     return PyroELBO(
         model,
