@@ -474,3 +474,40 @@ def test_score_function_elbo_bad_arguments(kwargs, match):
 def test_particle_baseline_with_one_particle_fails_before_training():
     with pytest.raises(ValueError, match="num_particles=1"):
         pyrobdl.fit(tiny_model(), *tiny_data(), "bbvi", baseline="leave_one_out", num_particles=1, progress=False)
+
+
+@pytest.mark.parametrize("kl", ["monte_carlo", "analytic"])
+@pytest.mark.parametrize("baseline", ["none", "decaying_average", "leave_one_out", "vargrad"])
+def test_direct_fast_path_equals_pyro_trace_graph(baseline, kl):
+    """elbo="direct_score_function": value and gradient equal ScoreFunctionELBO's on the same draws.
+
+    A 1x3 network (every weight reaches the output through the hidden layer), 3 particles, a
+    minibatch, two consecutive steps (the decaying average carries over).
+    """
+    x, y = torch.randn(12, 2), torch.randn(12)
+    model = pyrobdl.BayesianMLP(2, (3,), 1, likelihood=pyrobdl.likelihoods.Gaussian(PRECISION))
+    pyro.set_rng_seed(0)
+    guide = ScoreFunction(model, init_scale=0.2, baseline=baseline)
+    subsample = torch.tensor([0, 3, 4, 7, 9, 11])
+    results = []
+    for elbo in ("trace_graph", "direct_score_function"):
+        loss_fn = make_elbo(model, guide, elbo=elbo, kl=kl, num_particles=3)
+        out = []
+        pyro.set_rng_seed(5)
+        with pyro.get_param_store().scope():
+            for _ in range(2):
+                guide.zero_grad(set_to_none=True)
+                loss = loss_fn(x, y, subsample)
+                loss.backward()
+                out.append((loss.detach(), [p.grad.clone() for p in guide.parameters()]))
+        results.append(out)
+    for (loss_a, grads_a), (loss_b, grads_b) in zip(*results):
+        torch.testing.assert_close(loss_b, loss_a, rtol=1e-5, atol=1e-4)
+        for a, b in zip(grads_a, grads_b):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-3)
+
+
+def test_direct_fast_path_refuses_the_neural_baseline():
+    model = tiny_model()
+    with pytest.raises(ValueError, match="trace_graph"):
+        make_elbo(model, ScoreFunction(model, baseline="neural"), elbo="direct_score_function", num_particles=2)

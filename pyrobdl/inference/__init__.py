@@ -4,12 +4,14 @@ from . import builtin  # noqa: F401  (registers the built-in methods)
 from .elbo import DirectELBO, PyroELBO, make_elbo
 from .mcmc import MCMCPosterior, SamplerTrace
 from .reference import Reference, load_reference, run_reference
+from .score_function_direct import DirectScoreFunctionELBO
 from .score_function_elbo import ScoreFunctionELBO
 from .registry import Method, fit, get_method, methods, register_method, register_svi_method
 from .svi import LoopSettings, run_svi
 
 __all__ = [
     "DirectELBO",
+    "DirectScoreFunctionELBO",
     "LoopSettings",
     "MCMCPosterior",
     "Method",

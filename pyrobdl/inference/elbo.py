@@ -24,12 +24,13 @@ import torch
 from torch.distributions import kl_divergence
 
 from ..poutine import KLWeightMessenger
+from .score_function_direct import DirectScoreFunctionELBO
 from .score_function_elbo import ScoreFunctionELBO
 
 __all__ = ["DirectELBO", "ELBOS", "KL_TREATMENTS", "PyroELBO", "make_elbo"]
 
 #: Values of the ``elbo`` option of SVI methods.
-ELBOS = ("direct", "trace", "jit_trace", "trace_graph")
+ELBOS = ("direct", "trace", "jit_trace", "trace_graph", "direct_score_function")
 #: Values of the ``kl`` option of SVI methods.
 KL_TREATMENTS = ("analytic", "monte_carlo")
 
@@ -169,10 +170,13 @@ def make_elbo(
     ----------
     model, guide
         Model and guide.
-    elbo : {"direct", "trace", "jit_trace", "trace_graph"}
+    elbo : {"direct", "trace", "jit_trace", "trace_graph", "direct_score_function"}
         Estimator: pyrobdl's :class:`DirectELBO`, or Pyro's ``Trace_ELBO`` family;
         ``"trace_graph"`` is :class:`~pyrobdl.inference.ScoreFunctionELBO`, Pyro's
-        ``TraceGraph_ELBO`` with the particle baselines added.
+        ``TraceGraph_ELBO`` with the particle baselines added, and
+        ``"direct_score_function"`` its trace-free fast path for
+        :class:`~pyrobdl.guides.ScoreFunction` guides
+        (:class:`~pyrobdl.inference.DirectScoreFunctionELBO`, equal on the same draws).
     kl : {"analytic", "monte_carlo"}
         KL treatment.  ``"analytic"`` with ``"trace"``/``"jit_trace"`` selects Pyro's
         ``TraceMeanField_ELBO``/``JitTraceMeanField_ELBO``, and with ``"trace_graph"``
@@ -199,6 +203,8 @@ def make_elbo(
         raise ValueError(f"unknown kl {kl!r}; valid: {list(KL_TREATMENTS)}")
     if elbo == "direct":
         return DirectELBO(model, guide, num_particles=num_particles, analytic_kl=kl == "analytic")
+    if elbo == "direct_score_function":
+        return DirectScoreFunctionELBO(model, guide, num_particles=num_particles, analytic_kl=kl == "analytic")
     classes = {
         ("trace", "monte_carlo"): pyro.infer.Trace_ELBO,
         ("trace", "analytic"): pyro.infer.TraceMeanField_ELBO,
