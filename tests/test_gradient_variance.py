@@ -156,7 +156,9 @@ def test_native_estimator_for_every_registered_svi_method(method):
             errors.append(str(e))
     else:
         pytest.fail(f"{method} accepted no test model: {errors}")
-    table = gradient_variance(model, x, y, posterior, estimators=("native",), num_draws=3, baseline_warmup=2)
+    # 2 particles: bbvi's default leave-one-out baseline compares the particles of a draw
+    table = gradient_variance(model, x, y, posterior, estimators=("native",), num_draws=3, baseline_warmup=2,
+                              num_particles=2)
     assert table.rows and all(r.estimator == "native" for r in table.rows)
     assert all(math.isfinite(r.variance) and r.variance >= 0 for r in table.rows)
     names = {n.removesuffix("_unconstrained") for n, p in posterior.guide.named_parameters() if p.requires_grad}
@@ -194,6 +196,13 @@ def test_bad_arguments_fail_before_work(kwargs, error, match):
     args = {"guide_params": MeanField(model), **kwargs}
     with pytest.raises(error, match=match):
         gradient_variance(model, torch.randn(5, 2), torch.randn(5), **args)
+
+
+def test_native_particle_baseline_needs_particles_before_work():
+    model = pyrobdl.BayesianMLP(2, (), 1)
+    with pytest.raises(ValueError, match="native.*num_particles >= 2"):
+        gradient_variance(model, torch.randn(5, 2), torch.randn(5), ScoreFunction(model, baseline="vargrad"),
+                          estimators=("native",))
 
 
 def test_posterior_without_a_guide_is_refused():
@@ -247,3 +256,16 @@ def test_bbvi_fit_and_diagnostic_on_device(device):
         num_draws=3, baseline_warmup=2,
     )
     assert all(math.isfinite(r.variance) for r in table.rows)
+
+
+def test_report_table_puts_estimators_side_by_side_with_ratios():
+    from pyrobdl.report.tables import gradient_variance_tables
+
+    rows = [{"estimator": e, "group": g, "num_elements": 3, "variance": v}
+            for e, g, v in [("reparameterization", "w_loc", 0.5), ("score_function+leave_one_out", "w_loc", 50.0),
+                            ("reparameterization", "w_scale", 2.0), ("score_function+leave_one_out", "w_scale", 1.0)]]
+    record = {"status": "ok", "method": "mean_field", "split": 0, "seed": 0, "gradient_variance": rows}
+    (table,) = gradient_variance_tables([record])
+    assert table.columns == ("group", "d", "reparameterization", "score_function+leave_one_out")
+    assert table.rows[0] == ("w_loc", "3", "0.5", "50 (×100)")
+    assert table.rows[1] == ("w_scale", "3", "2", "1 (×0.5)")

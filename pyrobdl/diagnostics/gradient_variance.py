@@ -45,16 +45,17 @@ class _Estimator:
 
 
 #: Estimators by name.  Pathwise ones use pyrobdl's DirectELBO with the ``kl`` argument,
-#: score-function ones Pyro's TraceGraph_ELBO (Monte Carlo KL); ``"native"`` is the given
-#: guide itself with the ELBO its method trained with.
+#: score-function ones its trace-free DirectScoreFunctionELBO (equal to Pyro's TraceGraph_ELBO
+#: on the same draws, tests/test_bbvi.py; the neural baseline needs Pyro's trace), all with a
+#: Monte Carlo KL; ``"native"`` is the given guide itself with the ELBO its method trained with.
 ESTIMATORS: dict[str, _Estimator] = {
     "reparameterization": _Estimator(MeanField, None),
     "local_reparameterization": _Estimator(lambda m: MeanField(m, local_reparameterization=True), None),
-    "score_function": _Estimator(lambda m: ScoreFunction(m, baseline="none"), "trace_graph"),
-    "score_function+baseline": _Estimator(lambda m: ScoreFunction(m, baseline="decaying_average"), "trace_graph"),
+    "score_function": _Estimator(lambda m: ScoreFunction(m, baseline="none"), "direct_score_function"),
+    "score_function+baseline": _Estimator(lambda m: ScoreFunction(m, baseline="decaying_average"), "direct_score_function"),
     "score_function+neural_baseline": _Estimator(lambda m: ScoreFunction(m, baseline="neural"), "trace_graph"),
-    "score_function+leave_one_out": _Estimator(lambda m: ScoreFunction(m, baseline="leave_one_out"), "trace_graph"),
-    "score_function+vargrad": _Estimator(lambda m: ScoreFunction(m, baseline="vargrad"), "trace_graph"),
+    "score_function+leave_one_out": _Estimator(lambda m: ScoreFunction(m, baseline="leave_one_out"), "direct_score_function"),
+    "score_function+vargrad": _Estimator(lambda m: ScoreFunction(m, baseline="vargrad"), "direct_score_function"),
     "native": _Estimator(None, None),
 }
 
@@ -462,6 +463,10 @@ def gradient_variance(
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed must be an int, got {seed!r}")
     source, settings = _source(guide_params)
+    needed = getattr(source, "min_num_particles", 1)
+    if "native" in names and num_particles < needed:
+        raise ValueError(f"estimator 'native': the guide's baseline {getattr(source, 'baseline', '')!r} needs "
+                         f"num_particles >= {needed}, got {num_particles}")
     x, y = check_data(model, x, y)
     device = _device(source)
     x, y = x.to(device), y.to(device)
