@@ -109,18 +109,21 @@ def run_fit(model, data, method: str, seed: int, **options) -> dict:
     return out, post
 
 
-def measure(names, seeds, data_dir, variance: bool, budgets=BUDGETS) -> dict:
+def measure(names, seeds, data_dir, variance: bool, budgets=BUDGETS, variants=None, mean_field=True) -> dict:
     result = {"torch": torch.__version__, "pyro": __import__("pyro").__version__, "fits": [], "variance": {}}
     for name in names:
         data, model = problem(name, data_dir)
         for seed in seeds:
-            rec, mf_post = run_fit(model, data, "mean_field", seed, num_steps=MF_STEPS)
-            rec["dataset"] = name
-            result["fits"].append(rec)
-            print(json.dumps(rec), flush=True)
+            if mean_field or variance:
+                rec, mf_post = run_fit(model, data, "mean_field", seed, num_steps=MF_STEPS)
+                rec["dataset"] = name
+                result["fits"].append(rec)
+                print(json.dumps(rec), flush=True)
             # extra seeds: the largest budget of leave-one-out only (the run-to-run spread)
-            variants = VARIANTS if seed == seeds[0] else [v for v in VARIANTS if v[0] == "leave_one_out"]
-            for label, baseline, particles in variants:
+            chosen = [v for v in VARIANTS if variants is None or v[0] in variants]
+            if seed != seeds[0]:
+                chosen = [v for v in chosen if v[0] == "leave_one_out"]
+            for label, baseline, particles in chosen:
                 for mult in (budgets if seed == seeds[0] else budgets[-1:]):
                     steps = mult * MF_STEPS // particles
                     rec, _ = run_fit(model, data, "bbvi", seed, num_steps=steps, num_particles=particles,
@@ -174,22 +177,48 @@ def figure(paths, out: Path) -> None:
     fig.savefig(out, dpi=80)
 
 
+def tables(paths) -> str:
+    """Markdown: per dataset, test LL / ELBO / median sd / CPU s per variant and budget."""
+    fits = [f for p in paths for f in json.loads(Path(p).read_text())["fits"]]
+    out = []
+    for name in dict.fromkeys(f["dataset"] for f in fits):
+        rows = [f for f in fits if f["dataset"] == name]
+        out += [f"#### {name}", "",
+                "| method | baseline (particles) | seed | gradient evals (x G) | steps | ELBO | median sd | test LL | CPU s |",
+                "|---|---|---|---|---|---|---|---|---|"]
+        rows.sort(key=lambda f: (f["method"] != "mean_field", f.get("variant", ""), f["seed"], f["gradient_evaluations"]))
+        for f in rows:
+            label = "—" if f["method"] == "mean_field" else f"{f['baseline']} ({f['num_particles']})"
+            out.append(f"| {f['method']} | {label} | {f['seed']} | {f['gradient_evaluations']} "
+                       f"({f['gradient_evaluations'] / MF_STEPS:g}) | {f['num_steps']} | {f['elbo']:.1f} | "
+                       f"{f['median_sd']:.3g} | {f['test_ll']:.3f} | {f['cpu_s']:.1f} |")
+        out.append("")
+    return "\n".join(out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--data-dir", default=os.environ.get("PYROBDL_DATA_DIR"))
     parser.add_argument("--datasets", nargs="+", default=["blr", "gap", "boston"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
+    parser.add_argument("--variants", nargs="+", default=None, help="subset of the BBVI variant labels")
+    parser.add_argument("--no-mean-field", action="store_true", help="skip the mean-field fits")
     parser.add_argument("--budgets", nargs="+", type=int, default=list(BUDGETS), help="multiples of G")
     parser.add_argument("--variance", action="store_true", help="also gradient variance at initial/trained guides")
     parser.add_argument("--out", type=Path, default=Path("results/bbvi_budget.json"))
     parser.add_argument("--figure", type=Path, default=None, help="only draw the figure from result files")
+    parser.add_argument("--tables", action="store_true", help="only print Markdown tables from result files")
     parser.add_argument("results", nargs="*")
     args = parser.parse_args()
     if args.figure is not None:
         figure(args.results, args.figure)
         return
+    if args.tables:
+        print(tables(args.results))
+        return
     torch.set_num_threads(1)
-    result = measure(args.datasets, args.seeds, args.data_dir, args.variance, tuple(args.budgets))
+    result = measure(args.datasets, args.seeds, args.data_dir, args.variance, tuple(args.budgets),
+                     args.variants, not args.no_mean_field)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out.with_suffix(".tmp")
     tmp.write_text(json.dumps(result, indent=1))
