@@ -4,7 +4,9 @@ r"""Score-function (black-box) VI: the mean-field Gaussian with non-reparameteri
 non-reparameterized (:class:`NonReparameterized`, ``has_rsample == False``), so Pyro's
 ``TraceGraph_ELBO`` estimates the ELBO gradient with the log-derivative trick, Rao-Blackwellized
 by the dependency structure it tracks, and with Pyro's per-site baselines as control variates
-(``Trace_ELBO`` also accepts the guide, without either).  The objective and the family are those
+(``Trace_ELBO`` also accepts the guide, without either).  The leave-one-out and VarGrad
+baselines, formed from the other particles of a step, need
+:class:`pyrobdl.inference.ScoreFunctionELBO` (a ``TraceGraph_ELBO`` subclass).  The objective and the family are those
 of Bayes by Backprop; only the gradient estimator differs.  Nothing here computes an ELBO: the
 guide only says how each site is sampled and which baseline Pyro should use.
 """
@@ -159,6 +161,9 @@ class ScoreFunction(MeanField):
     References
     ----------
     R. Ranganath, S. Gerrish, D. Blei. Black Box Variational Inference. AISTATS 2014.
+    W. Kool, H. van Hoof, M. Welling. Buy 4 REINFORCE Samples, Get a Baseline for Free! 2019.
+    L. Richter et al. VarGrad: A Low-Variance Gradient Estimator for Variational Inference.
+    NeurIPS 2020.
     J. Schulman, N. Heess, T. Weber, P. Abbeel. Gradient Estimation Using Stochastic
     Computation Graphs. NeurIPS 2015.
     A. Mnih, K. Gregor. Neural Variational Inference and Learning in Belief Networks.
@@ -169,6 +174,9 @@ class ScoreFunction(MeanField):
     >>> guide = ScoreFunction(model, baseline="decaying_average")
     >>> svi = pyro.infer.SVI(model, guide, pyro.optim.Adam({"lr": 1e-2}),
     ...                      pyro.infer.TraceGraph_ELBO())
+    >>> guide = ScoreFunction(model, baseline="leave_one_out")
+    >>> svi = pyro.infer.SVI(model, guide, pyro.optim.Adam({"lr": 1e-2}),
+    ...                      pyrobdl.inference.ScoreFunctionELBO(num_particles=4, max_plate_nesting=1))
     """
 
     def __init__(
