@@ -49,13 +49,14 @@ from pyrobdl.inference import DirectELBO
 MF_STEPS = 3000
 LR = 1e-2
 BUDGETS = (1, 3, 10)
-#: (label, baseline, particles)
+#: (label, baseline, particles, KL treatment)
 VARIANTS = (
-    ("none", "none", 4),
-    ("decaying_average", "decaying_average", 4),
-    ("leave_one_out", "leave_one_out", 4),
-    ("vargrad", "vargrad", 4),
-    ("leave_one_out P=16", "leave_one_out", 16),
+    ("none", "none", 4, "monte_carlo"),
+    ("decaying_average", "decaying_average", 4, "monte_carlo"),
+    ("leave_one_out", "leave_one_out", 4, "monte_carlo"),
+    ("vargrad", "vargrad", 4, "monte_carlo"),
+    ("leave_one_out P=16", "leave_one_out", 16, "monte_carlo"),
+    ("leave_one_out analytic KL", "leave_one_out", 4, "analytic"),
 )
 ESTIMATORS = ("reparameterization", "local_reparameterization", "score_function", "score_function+baseline",
               "score_function+leave_one_out", "score_function+vargrad")
@@ -123,11 +124,11 @@ def measure(names, seeds, data_dir, variance: bool, budgets=BUDGETS, variants=No
             chosen = [v for v in VARIANTS if variants is None or v[0] in variants]
             if seed != seeds[0]:
                 chosen = [v for v in chosen if v[0] == "leave_one_out"]
-            for label, baseline, particles in chosen:
+            for label, baseline, particles, kl in chosen:
                 for mult in (budgets if seed == seeds[0] else budgets[-1:]):
                     steps = mult * MF_STEPS // particles
                     rec, _ = run_fit(model, data, "bbvi", seed, num_steps=steps, num_particles=particles,
-                                     baseline=baseline, elbo="direct_score_function")
+                                     baseline=baseline, elbo="direct_score_function", kl=kl)
                     rec.update(dataset=name, variant=label, budget=mult)
                     result["fits"].append(rec)
                     print(json.dumps(rec), flush=True)
@@ -160,7 +161,7 @@ def figure(paths, out: Path) -> None:
         mf = [f for f in fits if f["dataset"] == name and f["method"] == "mean_field" and f["seed"] == seed0][0]
         ax.axhline(mf["test_ll"], color="k", lw=1, ls="--", label="mean_field")
         ax.axvline(mf["gradient_evaluations"], color="0.8", lw=0.8)
-        for label, _, _ in VARIANTS:
+        for label, *_ in VARIANTS:
             pts = sorted((f["gradient_evaluations"], f["test_ll"]) for f in fits if f["dataset"] == name
                          and f.get("variant") == label and f["seed"] == seed0)
             if pts:
@@ -188,7 +189,7 @@ def tables(paths) -> str:
                 "|---|---|---|---|---|---|---|---|---|"]
         rows.sort(key=lambda f: (f["method"] != "mean_field", f.get("variant", ""), f["seed"], f["gradient_evaluations"]))
         for f in rows:
-            label = "—" if f["method"] == "mean_field" else f"{f['baseline']} ({f['num_particles']})"
+            label = "—" if f["method"] == "mean_field" else f"{f['variant']} ({f['num_particles']})"
             out.append(f"| {f['method']} | {label} | {f['seed']} | {f['gradient_evaluations']} "
                        f"({f['gradient_evaluations'] / MF_STEPS:g}) | {f['num_steps']} | {f['elbo']:.1f} | "
                        f"{f['median_sd']:.3g} | {f['test_ll']:.3f} | {f['cpu_s']:.1f} |")
