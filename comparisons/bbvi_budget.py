@@ -160,15 +160,16 @@ def figure(paths, out: Path) -> None:
         seed0 = min(f["seed"] for f in fits if f["dataset"] == name)
         mf = [f for f in fits if f["dataset"] == name and f["method"] == "mean_field" and f["seed"] == seed0][0]
         ax.axhline(mf["test_ll"], color="k", lw=1, ls="--", label="mean_field")
-        ax.axvline(mf["gradient_evaluations"], color="0.8", lw=0.8)
         for label, *_ in VARIANTS:
-            pts = sorted((f["gradient_evaluations"], f["test_ll"]) for f in fits if f["dataset"] == name
-                         and f.get("variant") == label and f["seed"] == seed0)
+            pts = sorted((f["gradient_evaluations"] / mf["gradient_evaluations"], f["test_ll"]) for f in fits
+                         if f["dataset"] == name and f.get("variant") == label and f["seed"] == seed0)
             if pts:
                 ax.plot(*zip(*pts), marker="o", ms=3, lw=1, label=f"bbvi {label}")
         ax.set_xscale("log")
+        ax.set_xticks(BUDGETS, [f"{b}x" for b in BUDGETS])
+        ax.minorticks_off()
         ax.set_title(f"{name} (seed {seed0})", fontsize=9)
-        ax.set_xlabel("gradient evaluations", fontsize=8)
+        ax.set_xlabel(f"gradient evaluations / mean-field's ({mf['gradient_evaluations']})", fontsize=8)
         ax.set_ylabel("test log-likelihood per point", fontsize=8)
         ax.tick_params(labelsize=7)
         lo = min(mf["test_ll"] - 3, min(f["test_ll"] for f in fits if f["dataset"] == name))
