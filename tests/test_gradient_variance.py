@@ -156,7 +156,9 @@ def test_native_estimator_for_every_registered_svi_method(method):
             errors.append(str(e))
     else:
         pytest.fail(f"{method} accepted no test model: {errors}")
-    table = gradient_variance(model, x, y, posterior, estimators=("native",), num_draws=3, baseline_warmup=2)
+    # 2 particles: bbvi's default leave-one-out baseline compares the particles of a draw
+    table = gradient_variance(model, x, y, posterior, estimators=("native",), num_draws=3, baseline_warmup=2,
+                              num_particles=2)
     assert table.rows and all(r.estimator == "native" for r in table.rows)
     assert all(math.isfinite(r.variance) and r.variance >= 0 for r in table.rows)
     names = {n.removesuffix("_unconstrained") for n, p in posterior.guide.named_parameters() if p.requires_grad}
@@ -181,6 +183,7 @@ def test_builtin_estimators_need_a_mean_field_guide():
         ({"estimators": ("native", "native")}, ValueError, "duplicates"),
         ({"num_draws": 1}, ValueError, "num_draws"),
         ({"num_particles": 0}, ValueError, "num_particles"),
+        ({"estimators": ("reparameterization", "score_function+leave_one_out")}, ValueError, "num_particles >= 2"),
         ({"batch_size": 0}, ValueError, "batch_size"),
         ({"baseline_warmup": -1}, ValueError, "baseline_warmup"),
         ({"kl": "exact"}, ValueError, "kl"),
@@ -195,6 +198,13 @@ def test_bad_arguments_fail_before_work(kwargs, error, match):
         gradient_variance(model, torch.randn(5, 2), torch.randn(5), **args)
 
 
+def test_native_particle_baseline_needs_particles_before_work():
+    model = pyrobdl.BayesianMLP(2, (), 1)
+    with pytest.raises(ValueError, match="native.*num_particles >= 2"):
+        gradient_variance(model, torch.randn(5, 2), torch.randn(5), ScoreFunction(model, baseline="vargrad"),
+                          estimators=("native",))
+
+
 def test_posterior_without_a_guide_is_refused():
     model = pyrobdl.BayesianMLP(2, (), 1)
     cost = pyrobdl.Cost(0.0, 0, 0.0, 0, "cpu")
@@ -204,7 +214,7 @@ def test_posterior_without_a_guide_is_refused():
 
 # Unbiasedness: all estimators target the same gradient.  Each per-element mean gradient must
 # agree with the reparameterization one within 4 combined standard errors (a two-sided
-# 6e-5 event per element for Gaussian errors; 12 elements x 3 estimators here).  Power: the
+# 6e-5 event per element for Gaussian errors; 12 elements x 5 estimators here).  Power: the
 # score-function standard errors must be small against the gradient itself, so a wrong sign or
 # a missing term (e.g. dropping the entropy part) would be caught.
 UNBIASED_DRAWS = 400
@@ -214,7 +224,8 @@ UNBIASED_PARTICLES = 32  # one draw averages 32 particles: 12,800 single-sample 
 @pytest.mark.slow
 def test_all_estimators_agree_in_expectation(blr):
     guide = off_optimum_guide(blr)
-    estimators = ("reparameterization", "local_reparameterization", "score_function", "score_function+baseline")
+    estimators = ("reparameterization", "local_reparameterization", "score_function", "score_function+baseline",
+                  "score_function+leave_one_out", "score_function+vargrad")
     table = gradient_variance(
         blr_model(), blr.x_train, blr.y_train, guide, estimators=estimators,
         num_draws=UNBIASED_DRAWS, num_particles=UNBIASED_PARTICLES, baseline_warmup=100,
@@ -245,3 +256,16 @@ def test_bbvi_fit_and_diagnostic_on_device(device):
         num_draws=3, baseline_warmup=2,
     )
     assert all(math.isfinite(r.variance) for r in table.rows)
+
+
+def test_report_table_puts_estimators_side_by_side_with_ratios():
+    from pyrobdl.report.tables import gradient_variance_tables
+
+    rows = [{"estimator": e, "group": g, "num_elements": 3, "variance": v}
+            for e, g, v in [("reparameterization", "w_loc", 0.5), ("score_function+leave_one_out", "w_loc", 50.0),
+                            ("reparameterization", "w_scale", 2.0), ("score_function+leave_one_out", "w_scale", 1.0)]]
+    record = {"status": "ok", "method": "mean_field", "split": 0, "seed": 0, "gradient_variance": rows}
+    (table,) = gradient_variance_tables([record])
+    assert table.columns == ("group", "d", "reparameterization", "score_function+leave_one_out")
+    assert table.rows[0] == ("w_loc", "3", "0.5", "50 (×100)")
+    assert table.rows[1] == ("w_scale", "3", "2", "1 (×0.5)")

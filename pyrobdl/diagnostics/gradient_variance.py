@@ -45,16 +45,22 @@ class _Estimator:
 
 
 #: Estimators by name.  Pathwise ones use pyrobdl's DirectELBO with the ``kl`` argument,
-#: score-function ones Pyro's TraceGraph_ELBO (Monte Carlo KL); ``"native"`` is the given
-#: guide itself with the ELBO its method trained with.
+#: score-function ones its trace-free DirectScoreFunctionELBO (equal to Pyro's TraceGraph_ELBO
+#: on the same draws, tests/test_bbvi.py; the neural baseline needs Pyro's trace), all with a
+#: Monte Carlo KL; ``"native"`` is the given guide itself with the ELBO its method trained with.
 ESTIMATORS: dict[str, _Estimator] = {
     "reparameterization": _Estimator(MeanField, None),
     "local_reparameterization": _Estimator(lambda m: MeanField(m, local_reparameterization=True), None),
-    "score_function": _Estimator(lambda m: ScoreFunction(m, baseline="none"), "trace_graph"),
-    "score_function+baseline": _Estimator(lambda m: ScoreFunction(m, baseline="decaying_average"), "trace_graph"),
+    "score_function": _Estimator(lambda m: ScoreFunction(m, baseline="none"), "direct_score_function"),
+    "score_function+baseline": _Estimator(lambda m: ScoreFunction(m, baseline="decaying_average"), "direct_score_function"),
     "score_function+neural_baseline": _Estimator(lambda m: ScoreFunction(m, baseline="neural"), "trace_graph"),
+    "score_function+leave_one_out": _Estimator(lambda m: ScoreFunction(m, baseline="leave_one_out"), "direct_score_function"),
+    "score_function+vargrad": _Estimator(lambda m: ScoreFunction(m, baseline="vargrad"), "direct_score_function"),
     "native": _Estimator(None, None),
 }
+
+#: Estimators whose baseline is formed from the other particles of the same draw.
+_PARTICLE_ESTIMATORS = ("score_function+leave_one_out", "score_function+vargrad")
 
 #: The estimators measured when none are named.
 DEFAULT_ESTIMATORS = ("reparameterization", "local_reparameterization", "score_function", "score_function+baseline")
@@ -379,15 +385,21 @@ def gradient_variance(
           Pyro's ``TraceGraph_ELBO`` (Rao-Blackwellized log-derivative estimator);
         * ``"score_function+baseline"`` — with Pyro's decaying-average baseline (β = 0.9);
         * ``"score_function+neural_baseline"`` — with the neural baseline;
+        * ``"score_function+leave_one_out"`` — each particle's baseline is the mean cost of
+          the other particles of the draw (:class:`~pyrobdl.inference.ScoreFunctionELBO`);
+          needs ``num_particles >= 2``;
+        * ``"score_function+vargrad"`` — the VarGrad estimator (same ELBO); needs
+          ``num_particles >= 2``;
         * ``"native"`` — the given guide itself with the ELBO of its method (from the
           posterior's settings; for a bare guide ``"direct"`` when every site is
           reparameterized, else ``"trace_graph"``).  Works for every registered SVI guide.
 
-        The first five need a mean-field Gaussian ``guide_params`` (they share parameter names).
+        All but ``"native"`` need a mean-field Gaussian ``guide_params`` (they share parameter names).
     num_draws : int, default 500
         Gradient draws per estimator (>= 2).
     num_particles : int, default 1
-        Vectorized particles averaged in each draw (the same for every estimator).
+        Vectorized particles averaged in each draw (the same for every estimator, so rows
+        compare estimators at a matched number of model evaluations per draw).
     batch_size : int, optional
         Minibatch size: each draw uses a fresh random minibatch, so minibatch noise is part of
         the variance.  None (default) uses the full data.
@@ -395,8 +407,8 @@ def gradient_variance(
         KL treatment of the pathwise estimators.  The default estimates the KL by sampling, as
         the score-function estimators must, so rows differ only in how the gradient is formed.
     baseline_warmup : int, default 200
-        Draws run and discarded before measuring an estimator whose guide has a baseline, so
-        the decaying average is filled (and a neural baseline trained, guide fixed).
+        Draws run and discarded before measuring an estimator whose baseline carries state
+        across draws, so the decaying average is filled (and a neural baseline trained, guide fixed).
     seed : int, default 0
         Seed of the draws; every estimator starts from it.  The caller's RNG state is restored.
 
@@ -444,9 +456,17 @@ def gradient_variance(
         batch_size = _check_int("batch_size", batch_size, 1)
     if kl not in KL_TREATMENTS:
         raise ValueError(f"unknown kl {kl!r}; valid: {list(KL_TREATMENTS)}")
+    few = [n for n in names if n in _PARTICLE_ESTIMATORS and num_particles < 2]
+    if few:
+        raise ValueError(f"estimators {few} compare the particles of a draw: they need num_particles >= 2, "
+                         f"got {num_particles}")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed must be an int, got {seed!r}")
     source, settings = _source(guide_params)
+    needed = getattr(source, "min_num_particles", 1)
+    if "native" in names and num_particles < needed:
+        raise ValueError(f"estimator 'native': the guide's baseline {getattr(source, 'baseline', '')!r} needs "
+                         f"num_particles >= {needed}, got {num_particles}")
     x, y = check_data(model, x, y)
     device = _device(source)
     x, y = x.to(device), y.to(device)
@@ -467,7 +487,7 @@ def gradient_variance(
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             guide, elbo, kl_used = _build(name, model, source, settings, kl)
             loss_fn = make_elbo(model, guide, elbo=elbo, kl=kl_used, num_particles=num_particles)
-            warmup = baseline_warmup if getattr(guide, "baseline", "none") != "none" else 0
+            warmup = baseline_warmup if getattr(guide, "stateful_baseline", False) else 0
             torch.manual_seed(seed)
             with pyro.get_param_store().scope():
                 rows += _draw_statistics(name, guide, loss_fn, x, y, batches, num_draws, warmup)

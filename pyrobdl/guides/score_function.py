@@ -4,7 +4,9 @@ r"""Score-function (black-box) VI: the mean-field Gaussian with non-reparameteri
 non-reparameterized (:class:`NonReparameterized`, ``has_rsample == False``), so Pyro's
 ``TraceGraph_ELBO`` estimates the ELBO gradient with the log-derivative trick, Rao-Blackwellized
 by the dependency structure it tracks, and with Pyro's per-site baselines as control variates
-(``Trace_ELBO`` also accepts the guide, without either).  The objective and the family are those
+(``Trace_ELBO`` also accepts the guide, without either).  The leave-one-out and VarGrad
+baselines, formed from the other particles of a step, need
+:class:`pyrobdl.inference.ScoreFunctionELBO` (a ``TraceGraph_ELBO`` subclass).  The objective and the family are those
 of Bayes by Backprop; only the gradient estimator differs.  Nothing here computes an ELBO: the
 guide only says how each site is sampled and which baseline Pyro should use.
 """
@@ -21,10 +23,13 @@ from pyro.poutine.runtime import get_plates
 
 from .mean_field import MeanField
 
-__all__ = ["BASELINES", "MinibatchBaseline", "NonReparameterized", "ScoreFunction"]
+__all__ = ["BASELINES", "PARTICLE_BASELINES", "MinibatchBaseline", "NonReparameterized", "ScoreFunction"]
 
 #: Values of the ``baseline`` option of :class:`ScoreFunction`.
-BASELINES = ("none", "decaying_average", "neural")
+BASELINES = ("none", "decaying_average", "neural", "leave_one_out", "vargrad")
+#: Baselines formed from the other particles of the same step (see
+#: :class:`pyrobdl.inference.ScoreFunctionELBO`); they need >= 2 vectorized particles.
+PARTICLE_BASELINES = ("leave_one_out", "vargrad")
 
 
 class NonReparameterized(dist.Independent):
@@ -114,8 +119,13 @@ class ScoreFunction(MeanField):
         Initial standard deviation of every site (> 0).
     init_loc : {"linear", "prior", "prior_mean"} or dict, default "linear"
         Initial means; see :func:`pyrobdl.guides.base.init_values`.
-    baseline : {"none", "decaying_average", "neural"}, default "decaying_average"
-        Control variate per site.  ``"decaying_average"``: Pyro's exponential moving average
+    baseline : {"none", "decaying_average", "neural", "leave_one_out", "vargrad"}, default "decaying_average"
+        Control variate per site.  ``"leave_one_out"``: the mean downstream cost of the same
+        site over the *other* particles of the step (Kool et al. 2019).  ``"vargrad"``: the
+        gradient of the variance of the whole log-ratio over the particles (Richter et al.
+        2020).  Both need :class:`pyrobdl.inference.ScoreFunctionELBO` (plain
+        ``TraceGraph_ELBO`` rejects their site options) and >= 2 vectorized particles.
+        ``"decaying_average"``: Pyro's exponential moving average
         of the site's past downstream costs, :math:`b \leftarrow \beta b + (1-\beta) c`.
         ``"neural"``: that average plus a :class:`MinibatchBaseline` network (a submodule of
         the guide, trained by the same optimizer on Pyro's squared-error baseline loss) that
@@ -151,6 +161,9 @@ class ScoreFunction(MeanField):
     References
     ----------
     R. Ranganath, S. Gerrish, D. Blei. Black Box Variational Inference. AISTATS 2014.
+    W. Kool, H. van Hoof, M. Welling. Buy 4 REINFORCE Samples, Get a Baseline for Free! 2019.
+    L. Richter et al. VarGrad: A Low-Variance Gradient Estimator for Variational Inference.
+    NeurIPS 2020.
     J. Schulman, N. Heess, T. Weber, P. Abbeel. Gradient Estimation Using Stochastic
     Computation Graphs. NeurIPS 2015.
     A. Mnih, K. Gregor. Neural Variational Inference and Learning in Belief Networks.
@@ -161,6 +174,9 @@ class ScoreFunction(MeanField):
     >>> guide = ScoreFunction(model, baseline="decaying_average")
     >>> svi = pyro.infer.SVI(model, guide, pyro.optim.Adam({"lr": 1e-2}),
     ...                      pyro.infer.TraceGraph_ELBO())
+    >>> guide = ScoreFunction(model, baseline="leave_one_out")
+    >>> svi = pyro.infer.SVI(model, guide, pyro.optim.Adam({"lr": 1e-2}),
+    ...                      pyrobdl.inference.ScoreFunctionELBO(num_particles=4, max_plate_nesting=1))
     """
 
     def __init__(
@@ -191,6 +207,16 @@ class ScoreFunction(MeanField):
                 {s.key: MinibatchBaseline(width, baseline_hidden) for s in self.site_specs}
             ).to(model.device)
 
+    @property
+    def min_num_particles(self) -> int:
+        """Fewest vectorized particles per step the baseline works with (2 for particle baselines)."""
+        return 2 if self.baseline in PARTICLE_BASELINES else 1
+
+    @property
+    def stateful_baseline(self) -> bool:
+        """Whether the baseline carries state across steps (a moving average, a network)."""
+        return self.baseline in ("decaying_average", "neural")
+
     def variational_distributions(self) -> dict[str, dist.Distribution]:
         """MeanField's distributions with their samplers marked non-reparameterized."""
         out = {}
@@ -218,10 +244,12 @@ class ScoreFunction(MeanField):
         -------
         dict
             ``{}`` for ``baseline="none"``, else ``{"baseline": {...}}`` as read by
-            ``TraceGraph_ELBO``.
+            ``TraceGraph_ELBO`` (and, for the particle baselines, ``ScoreFunctionELBO``).
         """
         if self.baseline == "none":
             return {}
+        if self.baseline in PARTICLE_BASELINES:
+            return {"baseline": {self.baseline: True}}
         config: dict[str, Any] = {"use_decaying_avg_baseline": True, "baseline_beta": self.baseline_beta}
         if self.baseline == "neural" and baseline_input is not None:
             key = name.replace(".", "_")

@@ -6,11 +6,14 @@ from .ensemble import EnsemblePosterior, train_members
 from .laplace import LaplacePosterior
 from .mcmc import MCMCPosterior, SamplerTrace
 from .reference import Reference, load_reference, run_reference
+from .score_function_direct import DirectScoreFunctionELBO
+from .score_function_elbo import ScoreFunctionELBO
 from .registry import Method, fit, get_method, methods, register_method, register_svi_method
 from .svi import LoopSettings, run_svi
 
 __all__ = [
     "DirectELBO",
+    "DirectScoreFunctionELBO",
     "EnsemblePosterior",
     "LaplacePosterior",
     "LoopSettings",
@@ -19,6 +22,7 @@ __all__ = [
     "PyroELBO",
     "Reference",
     "SamplerTrace",
+    "ScoreFunctionELBO",
     "fit",
     "get_method",
     "load_reference",

@@ -15,6 +15,7 @@ both exposing a ``kl_weight`` attribute for KL annealing:
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pyro
@@ -23,11 +24,13 @@ import torch
 from torch.distributions import kl_divergence
 
 from ..poutine import KLWeightMessenger
+from .score_function_direct import DirectScoreFunctionELBO
+from .score_function_elbo import ScoreFunctionELBO
 
 __all__ = ["DirectELBO", "ELBOS", "KL_TREATMENTS", "PyroELBO", "make_elbo"]
 
 #: Values of the ``elbo`` option of SVI methods.
-ELBOS = ("direct", "distributions", "trace", "jit_trace", "trace_graph")
+ELBOS = ("direct", "distributions", "trace", "jit_trace", "trace_graph", "direct_score_function")
 #: Values of the ``kl`` option of SVI methods.
 KL_TREATMENTS = ("analytic", "monte_carlo")
 
@@ -167,26 +170,38 @@ def make_elbo(
     ----------
     model, guide
         Model and guide.
-    elbo : {"direct", "distributions", "trace", "jit_trace", "trace_graph"}
+    elbo : {"direct", "distributions", "trace", "jit_trace", "trace_graph", "direct_score_function"}
         Estimator.  ``"direct"``: pyrobdl's own hot path — the flat
         :class:`~pyrobdl.inference.flat_elbo.FlatELBO` when the guide has a packed family and the
         model is one the flat log joint implements (Gaussian prior, relu/tanh, Gaussian or
         categorical likelihood), otherwise :class:`DirectELBO`.  ``"distributions"``:
-        :class:`DirectELBO` always.  Or Pyro's ``Trace_ELBO`` family.
+        :class:`DirectELBO` always.  Or Pyro's ``Trace_ELBO`` family; ``"trace_graph"`` is
+        :class:`~pyrobdl.inference.ScoreFunctionELBO`, Pyro's ``TraceGraph_ELBO`` with the
+        particle baselines added, and ``"direct_score_function"`` its trace-free fast path for
+        :class:`~pyrobdl.guides.ScoreFunction` guides
+        (:class:`~pyrobdl.inference.DirectScoreFunctionELBO`, equal on the same draws).
     kl : {"analytic", "monte_carlo"}
         KL treatment.  ``"analytic"`` with ``"trace"``/``"jit_trace"`` selects Pyro's
-        ``TraceMeanField_ELBO``/``JitTraceMeanField_ELBO``.  ``"trace_graph"`` needs
-        ``"monte_carlo"``.
+        ``TraceMeanField_ELBO``/``JitTraceMeanField_ELBO``, and with ``"trace_graph"``
+        closed-form KL terms in :class:`~pyrobdl.inference.ScoreFunctionELBO` (the score
+        function then estimates only the gradient of the expected log-likelihood).
     num_particles : int
         Vectorized particles per step.
 
     Raises
     ------
     ValueError
-        For an unknown ``elbo`` or ``kl`` value or an impossible combination.
+        For an unknown ``elbo`` or ``kl`` value, an impossible combination, or fewer particles
+        than the guide's baseline needs (``guide.min_num_particles``).
     """
     if elbo not in ELBOS:
         raise ValueError(f"unknown elbo {elbo!r}; valid: {list(ELBOS)}")
+    needed = getattr(guide, "min_num_particles", 1)
+    if num_particles < needed:
+        raise ValueError(
+            f"num_particles={num_particles!r} is too few: the guide's baseline "
+            f"{getattr(guide, 'baseline', '')!r} needs at least {needed} particles per step"
+        )
     if kl not in KL_TREATMENTS:
         raise ValueError(f"unknown kl {kl!r}; valid: {list(KL_TREATMENTS)}")
     if elbo == "direct":
@@ -197,15 +212,16 @@ def make_elbo(
         return DirectELBO(model, guide, num_particles=num_particles, analytic_kl=kl == "analytic")
     if elbo == "distributions":
         return DirectELBO(model, guide, num_particles=num_particles, analytic_kl=kl == "analytic")
+    if elbo == "direct_score_function":
+        return DirectScoreFunctionELBO(model, guide, num_particles=num_particles, analytic_kl=kl == "analytic")
     classes = {
         ("trace", "monte_carlo"): pyro.infer.Trace_ELBO,
         ("trace", "analytic"): pyro.infer.TraceMeanField_ELBO,
         ("jit_trace", "monte_carlo"): pyro.infer.JitTrace_ELBO,
         ("jit_trace", "analytic"): pyro.infer.JitTraceMeanField_ELBO,
-        ("trace_graph", "monte_carlo"): pyro.infer.TraceGraph_ELBO,
+        ("trace_graph", "monte_carlo"): ScoreFunctionELBO,
+        ("trace_graph", "analytic"): functools.partial(ScoreFunctionELBO, analytic_kl=True),
     }
-    if (elbo, kl) not in classes:
-        raise ValueError(f"elbo={elbo!r} has no analytic KL; use kl='monte_carlo'")
     cls = classes[(elbo, kl)]
     return PyroELBO(
         model,

@@ -555,7 +555,12 @@ def gradient_variance_tables(records: Sequence[Mapping[str, Any]]) -> list[Table
             gv = gv["rows"]
         if isinstance(gv, Mapping) and all(isinstance(v, Mapping) for v in gv.values()):
             gv = [{"name": k, **v} for k, v in gv.items()]
-        if isinstance(gv, list) and gv and all(isinstance(x, Mapping) for x in gv):
+        side = _gradient_variance_side_by_side(gv)
+        if side is not None:
+            cols, rows, note = side
+            tables.append(Table(f"Gradient variance — {r['method']} (split {r['split']}, seed {r['seed']})",
+                                cols, rows, note=note))
+        elif isinstance(gv, list) and gv and all(isinstance(x, Mapping) for x in gv):
             cols = list(dict.fromkeys(k for row in gv for k in row))
             rows = tuple(tuple(fmt(row.get(c)) if not isinstance(row.get(c), str) else row.get(c) for c in cols) for row in gv)
             tables.append(Table(f"Gradient variance — {r['method']} (split {r['split']}, seed {r['seed']})",
@@ -563,6 +568,37 @@ def gradient_variance_tables(records: Sequence[Mapping[str, Any]]) -> list[Table
         else:
             tables.append(Table(f"Gradient variance — {r['method']}", ("value",), ((str(gv)[:2000],),)))
     return tables
+
+
+def _gradient_variance_side_by_side(gv: Any) -> tuple[tuple[str, ...], tuple[tuple[str, ...], ...], str] | None:
+    """Rows of ``GradientVarianceTable.to_records()`` pivoted: one row per parameter group, one
+    column per estimator, each cell "variance (x ratio to reparameterization)"; None when the
+    records do not have that shape."""
+    if not (isinstance(gv, list) and gv and all(isinstance(x, Mapping) and "estimator" in x and "variance" in x
+                                                  for x in gv)):
+        return None
+    estimators = list(dict.fromkeys(str(x["estimator"]) for x in gv))
+    groups = list(dict.fromkeys(str(x.get("group", "")) for x in gv))
+    cell = {(str(x["estimator"]), str(x.get("group", ""))): x for x in gv}
+    ref = "reparameterization" if "reparameterization" in estimators else None
+    rows = []
+    for g in groups:
+        d = next((cell[(e, g)].get("num_elements") for e in estimators if (e, g) in cell), None)
+        cells = [g or "all", fmt(d) if d is not None else "—"]
+        for e in estimators:
+            x = cell.get((e, g))
+            if x is None:
+                cells.append("—")
+                continue
+            text = fmt(x["variance"], 3)
+            den = cell.get((ref, g), {}).get("variance") if ref is not None else None
+            if ref is not None and e != ref and _finite(den) and den > 0 and _finite(x["variance"]):
+                text += f" (×{fmt(x['variance'] / den, 3)})"
+            cells.append(text)
+        rows.append(tuple(cells))
+    note = ("Per parameter group: mean per-element variance of one gradient draw"
+            + (", and in brackets its ratio to the reparameterization estimator's." if ref else "."))
+    return ("group", "d", *estimators), tuple(rows), note
 
 
 def failures_table(records: Sequence[Mapping[str, Any]]) -> Table | None:
