@@ -39,7 +39,7 @@ VARIANTS = {
     "dropout": ("dropout", {}),
     "variational_dropout": ("variational_dropout", {}),
     "mean_field, Pyro TraceMeanField_ELBO": ("mean_field", {"elbo": "trace"}),
-    "bbvi (16 particles, TraceGraph_ELBO)": ("bbvi", {}),
+    "bbvi (16 particles, decaying average, TraceGraph_ELBO)": ("bbvi", {"num_particles": 16, "baseline": "decaying_average"}),
 }
 
 
