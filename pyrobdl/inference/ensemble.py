@@ -235,6 +235,20 @@ class EnsemblePosterior(Posterior):
         """Every member's sites, ``{site: [K, *shape]}`` (constrained)."""
         return self.layout.unpack(self.theta)
 
+    def _state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        return {"theta": self.theta}, {}
+
+    @classmethod
+    def _from_state(cls, model: Any, tensors: Mapping[str, torch.Tensor], extra: Mapping[str, Any],
+                    common: Mapping[str, Any]) -> EnsemblePosterior:
+        from ..flat import FlatLayout
+
+        layout = FlatLayout(model)
+        theta = tensors["theta"]
+        if theta.dim() != 2 or theta.shape[1] != layout.size:
+            raise ValueError(f"saved ensemble members have shape {list(theta.shape)}, expected [K, {layout.size}]")
+        return cls(model, theta, layout, **common)
+
     def _draw(self, num_samples: int) -> dict[str, torch.Tensor]:
         order = torch.arange(num_samples, device=self.theta.device) % self.num_members
         return self.layout.unpack(self.theta[order])

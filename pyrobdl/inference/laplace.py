@@ -374,6 +374,38 @@ class LaplacePosterior(Posterior):
         self.predictive = predictive
         self._chunk = chunk
 
+    def _state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        tensors: dict[str, torch.Tensor] = {"mean": self.mean}
+        blocks = []
+        for i, b in enumerate(self._blocks):
+            for field in ("index", "d_sqrt", "lam"):
+                tensors[f"block{i}.{field}"] = getattr(b, field)
+            if b.u is not None:
+                tensors[f"block{i}.u"] = b.u
+            if b.kron is not None:
+                tensors[f"block{i}.kron0"], tensors[f"block{i}.kron1"] = b.kron
+            blocks.append({"tuned": bool(b.tuned), "u": b.u is not None, "kron": b.kron is not None})
+        extra = {"blocks": blocks, "c": float(self.prior_precision_multiplier), "predictive": self.predictive,
+                 "chunk": self._chunk}
+        return tensors, extra
+
+    @classmethod
+    def _from_state(cls, model: Any, tensors: Mapping[str, torch.Tensor], extra: Mapping[str, Any],
+                    common: Mapping[str, Any]) -> LaplacePosterior:
+        from ..flat import FlatLayout
+
+        blocks = []
+        for i, spec in enumerate(extra["blocks"]):
+            blocks.append(_Block(
+                index=tensors[f"block{i}.index"], d_sqrt=tensors[f"block{i}.d_sqrt"], lam=tensors[f"block{i}.lam"],
+                u=tensors[f"block{i}.u"] if spec["u"] else None, tuned=bool(spec["tuned"]),
+                kron=(tensors[f"block{i}.kron0"], tensors[f"block{i}.kron1"]) if spec["kron"] else None,
+            ))
+        layout = FlatLayout(model)
+        if tensors["mean"].shape != (layout.size,):
+            raise ValueError(f"saved Laplace mean has shape {list(tensors['mean'].shape)}, expected [{layout.size}]")
+        return cls(model, tensors["mean"], blocks, float(extra["c"]), layout, extra["predictive"], extra["chunk"], **common)
+
     def covariance(self) -> torch.Tensor:
         """The full covariance ``[P, P]`` (float64; zero rows for point-mass coordinates)."""
         p = self.layout.size
