@@ -386,11 +386,29 @@ class FlatLogJoint:
         grad = theta * -self._prior_prec  # d/dtheta of the Gaussian prior
         logp = (theta * grad).sum(-1).mul_(0.5).add_(self._prior_const)
         if self._learned:
-            u = theta[:, self._prec_slice.start]
-            tau = u.exp()
-            grad[:, self._prec_slice.start] = self._a - self._b * tau
-            logp += self._gamma_const + self._a * u - self._b * tau
+            value, grad[:, self._prec_slice.start] = self.precision_log_prior(theta)
+            logp += value
         return logp, grad
+
+    @property
+    def precision_index(self) -> int | None:
+        r"""Column of :math:`u = \log\tau` in ``theta`` for a learned noise precision, else None."""
+        return self._prec_slice.start if self._learned else None
+
+    def precision_log_prior(self, theta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        r"""The learned precision's part of :meth:`log_prior`: :math:`\log\mathrm{Gamma}(e^u; a, b) + u`
+        ``[K]`` and its derivative in :math:`u` ``[K]``.
+
+        Raises
+        ------
+        ValueError
+            If the likelihood has no learned precision.
+        """
+        if not self._learned:
+            raise ValueError("the likelihood has no learned precision")
+        u = theta[:, self._prec_slice.start]
+        tau = u.exp()
+        return self._gamma_const + self._a * u - self._b * tau, self._a - self._b * tau
 
     @torch.no_grad()
     def _value_and_grad(
@@ -458,11 +476,11 @@ class FlatLogJoint:
             if self._learned:
                 gf = r * (scale * tau).view(k, 1, 1)
                 sq = (r * r).sum((-1, -2))
+                grad[:, self._prec_slice.start] = scale * (0.5 * m - 0.5 * tau * sq)
                 if prior:
-                    grad[:, self._prec_slice.start] = scale * (0.5 * m - 0.5 * tau * sq) + self._a - self._b * tau
-                    logp += self._gamma_const + self._a * u - self._b * tau
-                else:
-                    grad[:, self._prec_slice.start] = scale * (0.5 * m - 0.5 * tau * sq)
+                    value, du = self.precision_log_prior(theta)
+                    grad[:, self._prec_slice.start] += du
+                    logp += value
             else:
                 gf = r * (scale * self._tau)
         # ---- backward through layers last .. 1; g = dlogp/da_j, [K, B, Hout]

@@ -266,7 +266,16 @@ def test_threads_option_is_used_recorded_and_restored():
     post = pyrobdl.fit(model, x, y, num_steps=3, progress=False, threads=2)
     assert post.settings["threads"] == 2 and torch.get_num_threads() == before
     big = pyrobdl.BayesianMLP(784, (400, 400), 10, likelihood=pyrobdl.likelihoods.Categorical())
-    assert resolve_threads("auto", big, 128) >= 1  # large work: torch's setting capped by idle cores
+    # large work: torch's setting capped by the cores the load average leaves idle, at least one
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("os.cpu_count", lambda: 8)
+        mp.setattr(torch, "get_num_threads", lambda: 4)
+        mp.setattr("os.getloadavg", lambda: (2.2, 0.0, 0.0))  # 8 - 3 = 5 idle: torch's 4
+        assert resolve_threads("auto", big, 128) == 4
+        mp.setattr("os.getloadavg", lambda: (5.5, 0.0, 0.0))  # 8 - 6 = 2 idle
+        assert resolve_threads("auto", big, 128) == 2
+        mp.setattr("os.getloadavg", lambda: (11.0, 0.0, 0.0))  # none idle: still one
+        assert resolve_threads("auto", big, 128) == 1
     assert resolve_threads("auto", model, 10**6) == 1  # 9e6 multiply-adds: still small
     assert resolve_threads(None, model, 10) is None
     for bad in (0, -1, 1.5, True, "many"):

@@ -203,8 +203,8 @@ class FlatELBO(torch.nn.Module):
             theta = self._params["loc"]
             ll, g = lj.value_and_grad(theta.unsqueeze(0), subsample, prior=False)
             lp, gp = lj.log_prior(theta.unsqueeze(0))
-            if lj._learned:  # a Delta guide scores the prior of tau itself: no log-Jacobian u
-                u = lj._prec_slice.start
+            u = lj.precision_index
+            if u is not None:  # a Delta guide scores the prior of tau itself: no log-Jacobian u
                 lp = lp - theta[u]
                 gp[:, u] -= 1.0
             if beta != 1.0:
@@ -224,11 +224,10 @@ class FlatELBO(torch.nn.Module):
             kl = self._kl_const - log_sigma_sum + 0.5 * (prec * (sigma * sigma + loc * loc)).sum()
             d_loc = prec * loc
             d_sigma = prec * sigma - sigma.reciprocal()
-            if lj._learned:  # Monte Carlo for the learned precision u = log tau (Gamma prior)
-                u = lj._prec_slice.start
-                e, tau = eps[:, u], theta[:, u].exp()
-                lp = lj._gamma_const + lj._a * theta[:, u] - lj._b * tau  # Gamma + log-Jacobian
-                gp = lj._a - lj._b * tau
+            u = lj.precision_index
+            if u is not None:  # Monte Carlo for the learned precision u = log tau (Gamma prior)
+                e = eps[:, u]
+                lp, gp = lj.precision_log_prior(theta)  # Gamma + log-Jacobian, and d/du
                 kl = kl - 0.5 * e * e - _HALF_LOG_2PI - lp
                 d_loc[u] -= gp.mean()
                 d_sigma[u] -= (gp * e).mean()
