@@ -37,7 +37,7 @@ from ..flat import FlatLogJoint, _check_supported
 from ..guides.base import init_values, model_sites
 from ..posterior import Cost, Posterior
 from .registry import Method, register_method, require_proper_prior
-from .svi import LR_SCHEDULES, LoopSettings, PackedAdam, _check_finite, _peak_memory
+from .svi import CHECK_EVERY, LR_SCHEDULES, LoopSettings, PackedAdam, _check_finite, _peak_memory
 
 __all__ = ["ENSEMBLE_OPTIONS", "EnsemblePosterior", "MemberTraining", "init_members", "run_ensemble", "train_members"]
 
@@ -166,8 +166,9 @@ def train_members(
     ------
     FloatingPointError
         When a member's objective becomes NaN or infinite; the message names the step and the
-        last finite value of the members' summed objective (checked before the step is applied
-        on CPU, every 100 steps on CUDA, as in the SVI loop).
+        last finite value of the members' summed objective (checked every
+        :data:`~pyrobdl.inference.svi.CHECK_EVERY` steps, as in the SVI loop, which restores the
+        members to their values at the last passed check first).
     """
     k, device = theta.shape[0], theta.device
     steps = settings.num_steps
@@ -180,7 +181,7 @@ def train_members(
     averaged = param.detach().clone() if average_from < steps else None
     history = torch.empty(steps, k, dtype=theta.dtype, device=device)
     loss = torch.empty(steps, dtype=theta.dtype, device=device)  # minus the members' summed objective
-    check_every = 1 if device.type == "cpu" else 100
+    snapshot = [param.detach().clone()]
     checked = 0
     label = "log joint" if prior else "log-likelihood"
     bar = tqdm(range(steps), desc=desc, disable=not progress, mininterval=0.5, leave=False)
@@ -189,8 +190,8 @@ def train_members(
             value, grad = lj.value_and_grad(param.detach(), batches.next(), prior=prior)
         history[step] = value
         loss[step] = -value.sum()
-        if step + 1 - checked >= check_every:
-            _check_finite(loss, checked, step + 1, label=label)
+        if step + 1 - checked >= CHECK_EVERY:
+            _check_finite(loss, checked, step + 1, [param], snapshot, label=label)
             checked = step + 1
         param.grad = grad.neg_()
         if schedule is not None:
@@ -201,7 +202,7 @@ def train_members(
                 averaged.lerp_(param, 1.0 / (step - average_from + 1))
         if progress and step % 200 == 0:
             bar.set_postfix({label: f"{float(value.mean()):.4g}"}, refresh=False)
-    _check_finite(loss, checked, steps, label=label)
+    _check_finite(loss, checked, steps, [param], snapshot, label=label)
     final = (averaged if averaged is not None else param).detach().clone()
     return MemberTraining(final, history.double().cpu().numpy(), steps * k, steps * k * batch / lj.num_data)
 
