@@ -181,6 +181,37 @@ class Gaussian(Prior):
         return cached
 
 
+def shape_placeholder(d: dist.TorchDistribution, sample_shape: Sequence[int] = ()) -> torch.Tensor | None:
+    """Ones of an improper distribution's sample shape while Pyro is initialising, else ``None``.
+
+    ``pyro.infer.Predictive`` runs the model once under ``InitMessenger(init_to_sample)`` to
+    learn every site's shape and the plate nesting, before it replays the guide's draws; it
+    reads only the shapes of that run's values.  Autoguides' initialisation strategies run
+    under the same handler and need some finite value of the right shape.  Ones are such a
+    value for both improper densities here (finite ``log_prob``: ``-log 1 = 0``).  Outside an
+    ``InitMessenger`` there is no draw to give, and the caller raises.
+
+    Parameters
+    ----------
+    d : TorchDistribution
+        The improper distribution (its batch shape and device are used).
+    sample_shape : sequence of int
+        Leading sample shape, as in ``Distribution.sample``.
+
+    Returns
+    -------
+    Tensor or None
+        ``ones(sample_shape + batch_shape)`` when an ``InitMessenger`` is on Pyro's handler
+        stack, otherwise ``None``.
+    """
+    from pyro.infer.autoguide.initialization import InitMessenger
+    from pyro.poutine.runtime import _PYRO_STACK
+
+    if not any(isinstance(handler, InitMessenger) for handler in _PYRO_STACK):
+        return None
+    return torch.ones(torch.Size(sample_shape) + d.batch_shape, device=d._device)
+
+
 class ImproperLogUniform(dist.TorchDistribution):
     r"""Elementwise improper log-uniform density :math:`p(w) \propto 1/|w|` on the real line.
 
@@ -197,9 +228,13 @@ class ImproperLogUniform(dist.TorchDistribution):
 
     Notes
     -----
-    The density is improper: it has no sampler (:meth:`sample` raises
-    ``NotImplementedError``), its mean is undefined (returned as NaN, like torch's
-    ``Cauchy``) and its variance infinite.  It is only usable as a prior together with a
+    The density is improper: it has no draws (:meth:`sample` raises ``NotImplementedError``),
+    its mean is undefined (returned as NaN, like torch's ``Cauchy``) and its variance infinite.
+    One exception, for Pyro's machinery: under Pyro's initialisation handler
+    (``InitMessenger``, through which ``pyro.infer.Predictive`` runs the model once to learn
+    every site's shape, and autoguides choose initial values) :meth:`sample` returns a
+    placeholder of ones with the right shape, since only the shape is used there (see
+    :func:`shape_placeholder`).  It is only usable as a prior together with a
     guide that defines a KL divergence to it (``pyrobdl.guides.VariationalDropout`` registers
     one) or with a Monte Carlo KL :math:`\log q(w) + \log|w|`, which is the KL up to an
     additive constant.
@@ -232,6 +267,9 @@ class ImproperLogUniform(dist.TorchDistribution):
         return (-torch.log(value.abs())).expand(torch.broadcast_shapes(value.shape, self.batch_shape))
 
     def sample(self, sample_shape=torch.Size()):  # type: ignore[no-untyped-def]
+        placeholder = shape_placeholder(self, sample_shape)
+        if placeholder is not None:
+            return placeholder
         raise NotImplementedError(
             "the log-uniform prior is improper and cannot be sampled; draw weights from a guide "
             "that defines a KL to it (pyrobdl.guides.VariationalDropout)"
@@ -256,6 +294,9 @@ class ImproperFlat(ImproperLogUniform):
         return value.new_zeros(()).expand(torch.broadcast_shapes(value.shape, self.batch_shape))
 
     def sample(self, sample_shape=torch.Size()):  # type: ignore[no-untyped-def]
+        placeholder = shape_placeholder(self, sample_shape)
+        if placeholder is not None:
+            return placeholder
         raise NotImplementedError("the flat bias prior is improper and cannot be sampled")
 
     rsample = sample

@@ -154,13 +154,50 @@ def test_log_uniform_prior_site_distributions():
     assert e.batch_shape == (5, 1) and e.log_prob(value).shape == (5, 1)
 
 
-def test_pyro_predictive_needs_prior_draws():
-    # Documented limitation: Pyro 1.9's Predictive first runs the model under
-    # InitMessenger(init_to_sample), i.e. draws every latent site from its prior to learn the
-    # shapes, even when a guide is given; an improper prior has no draws.  Use Posterior.predict.
+@pytest.mark.parametrize("local_reparameterization", [False, True])
+@pytest.mark.parametrize("bias", ["flat", "log_uniform"])
+def test_pyro_predictive_works_with_the_improper_prior(bias, local_reparameterization):
+    # Pyro 1.9's Predictive first runs the model under InitMessenger(init_to_sample) to learn
+    # the sites' shapes (it reads only shapes from that run); the improper densities return a
+    # placeholder there and nowhere else, so the guide's draws are what the model sees.
+    model = pyrobdl.BayesianMLP(3, (5,), 1, prior=priors.LogUniform(bias=bias), likelihood=likelihoods.Gaussian(4.0))
+    guide = VariationalDropout(model, local_reparameterization=local_reparameterization)
+    torch.manual_seed(0)
+    x = torch.randn(40, 3)
+    sites = list(model.prior_distributions())
+    pyro.set_rng_seed(1)
+    out = pyro.infer.Predictive(model, guide=guide, num_samples=100, return_sites=[*sites, "obs", "_RETURN"])(x)
+    assert out["obs"].shape == out["_RETURN"].shape == (100, 40, 1)
+    for name in sites:
+        w = out[name]
+        assert w.shape[0] == 100 and torch.isfinite(w).all()
+        assert not bool((w == 1).all())  # the guide's values, not the placeholder
+        if bias == "flat" and name.endswith("bias"):
+            assert bool((w == w[0]).all())  # flat-prior biases are point estimates in the guide
+        else:
+            assert float(w.std(0).min()) > 0
+    # the returned function values are the model's output under the returned weights ...
+    for i in (0, 57, 99):
+        f = pyro.poutine.condition(model, data={n: out[n][i, 0] for n in sites})(x)
+        assert torch.allclose(out["_RETURN"][i], f, atol=1e-5)
+    # ... and obs is the Gaussian likelihood around them: 4,000 residuals with precision 4 have a
+    # standard deviation of 0.5 with relative standard error 1/sqrt(2 * 4000) = 1.1%; 4.5 s.e.
+    resid = out["obs"] - out["_RETURN"]
+    assert float(resid.std()) == pytest.approx(0.5, rel=0.05)
+    assert abs(float(resid.mean())) < 4.5 * 0.5 / math.sqrt(resid.numel())
+    # parallel (vectorised) predictive works too
+    par = pyro.infer.Predictive(model, guide=guide, num_samples=3, parallel=True, return_sites=["obs"])(x)
+    assert par["obs"].shape == (3, 40, 1)
+
+
+def test_improper_prior_still_has_no_draws_outside_initialisation():
+    # A prior predictive has nothing to draw from: Predictive without a guide or posterior
+    # samples still fails, with the improper-prior message, after its shape pass.
     model = vd_model()
     with pytest.raises(NotImplementedError, match="improper"):
-        pyro.infer.Predictive(model, guide=VariationalDropout(model), num_samples=2)(torch.randn(4, 3))
+        pyro.infer.Predictive(model, num_samples=2)(torch.randn(4, 3))
+    with pytest.raises(NotImplementedError, match="improper"):
+        pyro.poutine.trace(model).get_trace(torch.randn(4, 3))
 
 
 def test_log_uniform_bias_option_validated():
