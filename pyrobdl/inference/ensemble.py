@@ -16,10 +16,10 @@ tensor is K independent Adams.  The posterior is the equal-weight mixture of the
 (Lakshminarayanan, Pritzel & Blundell 2017, without their adversarial training and with the
 model's own homoscedastic likelihood).
 
-The optimisation re-uses the SVI loop's options and semantics (:mod:`pyrobdl.inference.svi`):
-``num_steps``, ``lr``, ``batch_size``, ``lr_schedule``, ``average_last`` mean the same, the
-optimiser and schedule are built the same way, and a non-finite objective stops the run with an
-error naming the step and the last finite value.  :func:`train_members` is also the MAP fit of
+The optimisation runs in the SVI loop itself (:func:`pyrobdl.inference.svi.optimize`, the one
+loop of every SVI method): ``num_steps``, ``lr``, ``batch_size``, ``lr_schedule``,
+``average_last`` mean the same, and a non-finite objective stops the run with the same error,
+naming the step and the last finite value.  :func:`train_members` is also the MAP fit of
 ``"laplace"`` and the ensemble initialisation of ``"chees"``.
 """
 
@@ -31,13 +31,12 @@ from typing import Any, Mapping
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from ..flat import FlatLogJoint, _check_supported
 from ..guides.base import init_values, model_sites
 from ..posterior import Cost, Posterior
 from .registry import Method, register_method, require_proper_prior
-from .svi import CHECK_EVERY, LR_SCHEDULES, LoopSettings, PackedAdam, _check_finite, _peak_memory
+from .svi import LoopSettings, PackedAdam, _peak_memory, optimize
 
 __all__ = ["ENSEMBLE_OPTIONS", "EnsemblePosterior", "MemberTraining", "init_members", "run_ensemble", "train_members"]
 
@@ -173,38 +172,19 @@ def train_members(
     k, device = theta.shape[0], theta.device
     steps = settings.num_steps
     param = torch.nn.Parameter(theta.detach().clone())
-    optimizer = PackedAdam([param], settings.lr)
-    schedule = None if settings.lr_schedule == "constant" else LR_SCHEDULES[settings.lr_schedule]
     batch = settings.effective_batch(lj.num_data)
-    batches = _MemberBatches(k, lj.num_data, batch, device)
-    average_from = steps - int(round(settings.average_last * steps)) if settings.average_last > 0 else steps
-    averaged = param.detach().clone() if average_from < steps else None
-    history = torch.empty(steps, k, dtype=theta.dtype, device=device)
-    loss = torch.empty(steps, dtype=theta.dtype, device=device)  # minus the members' summed objective
-    snapshot = [param.detach().clone()]
-    checked = 0
-    label = "log joint" if prior else "log-likelihood"
-    bar = tqdm(range(steps), desc=desc, disable=not progress, mininterval=0.5, leave=False)
-    for step in bar:
+
+    def step_fn(idx: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.no_grad():
-            value, grad = lj.value_and_grad(param.detach(), batches.next(), prior=prior)
-        history[step] = value
-        loss[step] = -value.sum()
-        if step + 1 - checked >= CHECK_EVERY:
-            _check_finite(loss, checked, step + 1, [param], snapshot, label=label)
-            checked = step + 1
+            value, grad = lj.value_and_grad(param.detach(), idx, prior=prior)
         param.grad = grad.neg_()
-        if schedule is not None:
-            optimizer.param_groups[0]["lr"] = settings.lr * schedule(min(step / max(steps - 1, 1), 1.0))
-        optimizer.step()
-        if averaged is not None and step >= average_from:
-            with torch.no_grad():
-                averaged.lerp_(param, 1.0 / (step - average_from + 1))
-        if progress and step % 200 == 0:
-            bar.set_postfix({label: f"{float(value.mean()):.4g}"}, refresh=False)
-    _check_finite(loss, checked, steps, [param], snapshot, label=label)
-    final = (averaged if averaged is not None else param).detach().clone()
-    return MemberTraining(final, history.double().cpu().numpy(), steps * k, steps * k * batch / lj.num_data)
+        return -value.sum(), value  # the loss minimised (all members at once), each member's objective
+
+    result = optimize(step_fn, [param], PackedAdam([param], settings.lr), settings,
+                      _MemberBatches(k, lj.num_data, batch, device), desc=desc, progress=progress,
+                      label="log joint" if prior else "log-likelihood", record_shape=(k,))
+    return MemberTraining(param.detach().clone(), result.records.double().cpu().numpy(), steps * k,
+                          steps * k * batch / lj.num_data)
 
 
 class EnsemblePosterior(Posterior):

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from ..posterior import Cost, SVIPosterior
 from .elbo import make_elbo
 
-__all__ = ["CHECK_EVERY", "LR_SCHEDULES", "LoopSettings", "PackedAdam", "run_svi"]
+__all__ = ["CHECK_EVERY", "LR_SCHEDULES", "LoopResult", "LoopSettings", "PackedAdam", "optimize", "run_svi"]
 
 #: Steps between two finiteness checks of the loss (each one synchronises with the device).
 CHECK_EVERY = 50
@@ -189,6 +189,117 @@ def _peak_memory(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+@dataclass
+class LoopResult:
+    """What :func:`optimize` returns.
+
+    Attributes
+    ----------
+    losses : torch.Tensor
+        The minimised objective at every step, ``[num_steps]`` (minibatch estimates).
+    records : torch.Tensor or None
+        What ``step_fn`` returned beside each loss, stacked ``[num_steps, *record_shape]``
+        (None when ``record_shape`` is None).
+    """
+
+    losses: torch.Tensor
+    records: torch.Tensor | None
+
+
+def optimize(
+    step_fn: Callable[[torch.Tensor | None], Any],
+    params: list[torch.Tensor],
+    optimizer: Any,
+    settings: LoopSettings,
+    batches: Any,
+    *,
+    desc: str,
+    progress: bool = False,
+    label: str = "ELBO",
+    record_shape: tuple[int, ...] | None = None,
+    before_step: Callable[[int], None] | None = None,
+) -> LoopResult:
+    """The one optimisation loop: every SVI method, the ensemble's members and Laplace's MAP fit.
+
+    Each step: ``before_step(step)``; ``step_fn(idx)`` with the next minibatch from ``batches``
+    (which computes the loss and leaves its gradient in every parameter's ``.grad``); the loss
+    recorded; every :data:`CHECK_EVERY` steps a finiteness check; the learning rate of the
+    schedule; ``optimizer.step()``; Polyak averaging over the last ``average_last`` fraction of
+    steps.  At the end the averaged parameters (when averaging is on) are copied into ``params``.
+
+    Parameters
+    ----------
+    step_fn : callable
+        ``step_fn(idx) -> loss`` (a 0-d tensor) or ``(loss, record)`` when ``record_shape`` is
+        given; ``idx`` is the minibatch (None for full batch).
+    params : list of torch.Tensor
+        The tensors ``optimizer`` updates (averaged and restored in place).
+    optimizer : torch.optim.Optimizer or PackedAdam
+        Built by the caller over ``params`` with ``lr = settings.lr``.
+    settings : LoopSettings
+        ``num_steps``, ``lr``, ``lr_schedule`` and ``average_last`` are used here.
+    batches : object
+        ``batches.next()`` gives each step's minibatch indices (or None).
+    desc : str
+        Progress-bar label.
+    progress : bool, default False
+        Show a tqdm progress bar.
+    label : str, default "ELBO"
+        Name of minus the loss in error messages and the progress bar.
+    record_shape : tuple of int, optional
+        Shape of the per-step record ``step_fn`` returns beside the loss.
+    before_step : callable, optional
+        Called with the step number before ``step_fn`` (e.g. the KL warm-up weight).
+
+    Returns
+    -------
+    LoopResult
+
+    Raises
+    ------
+    FloatingPointError
+        When the loss becomes NaN or infinite; the message names the step and the last finite
+        value of ``label``.  The check runs every :data:`CHECK_EVERY` steps (one device
+        synchronisation each, not one per step); when it fails, ``params`` are restored to those
+        of the last passed check, so they are left finite.
+    """
+    steps = settings.num_steps
+    device, dtype = params[0].device, params[0].dtype
+    group = optimizer.param_groups[0]
+    schedule = None if settings.lr_schedule == "constant" else LR_SCHEDULES[settings.lr_schedule]
+    average_from = steps - int(round(settings.average_last * steps)) if settings.average_last > 0 else steps
+    averaged = [p.detach().clone() for p in params] if average_from < steps else []
+    losses = torch.empty(steps, dtype=dtype, device=device)
+    records = None if record_shape is None else torch.empty(steps, *record_shape, dtype=dtype, device=device)
+    snapshot = [p.detach().clone() for p in params]
+    checked = 0
+    bar = tqdm(range(steps), desc=desc, disable=not progress, mininterval=0.5, leave=False)
+    for step in bar:
+        if before_step is not None:
+            before_step(step)
+        out = step_fn(batches.next())
+        if records is None:
+            losses[step] = out
+        else:
+            losses[step], records[step] = out
+        if step + 1 - checked >= CHECK_EVERY:
+            _check_finite(losses, checked, step + 1, params, snapshot, label=label)
+            checked = step + 1
+        if schedule is not None:
+            group["lr"] = settings.lr * schedule(min(step / max(steps - 1, 1), 1.0))
+        optimizer.step()
+        if step >= average_from:
+            with torch.no_grad():
+                torch._foreach_lerp_(averaged, params, 1.0 / (step - average_from + 1))
+        if progress and step % 200 == 0:
+            bar.set_postfix({label: f"{-float(losses[step]):.4g}"}, refresh=False)
+    _check_finite(losses, checked, steps, params, snapshot, label=label)
+    if averaged:
+        with torch.no_grad():
+            torch._foreach_copy_(params, averaged)
+    return LoopResult(losses, records)
+
+
 def run_svi(
     model: Any,
     guide: Any,
@@ -244,49 +355,25 @@ def run_svi(
     flat = hasattr(loss_fn, "loss_and_grad")
     params = loss_fn.parameters_to_optimize() if flat else [p for p in guide.parameters() if p.requires_grad]
     optimizer = PackedAdam(params, settings.lr) if flat else _adam(params, settings.lr)
-    group = optimizer.param_groups[0]
-    schedule = None if settings.lr_schedule == "constant" else LR_SCHEDULES[settings.lr_schedule]
-    steps = settings.num_steps
     batch = settings.effective_batch(num_data)
-    batches = _Batches(num_data, batch, device)
-    average_from = steps - int(round(settings.average_last * steps)) if settings.average_last > 0 else steps
-    averaged = [p.detach().clone() for p in params] if average_from < steps else []
-    history = torch.empty(steps, device=device)
-    # Finiteness is checked every CHECK_EVERY steps (one device sync each), with a snapshot of
-    # the parameters at each passed check to fall back to.
-    snapshot = [p.detach().clone() for p in params]
-    checked = 0
 
-    bar = tqdm(range(steps), desc=method, disable=not progress, mininterval=0.5, leave=False)
+    def step_fn(idx: torch.Tensor | None) -> torch.Tensor:
+        if flat:
+            return loss_fn.loss_and_grad(x, y, idx)
+        loss = loss_fn(x, y, idx)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        return loss.detach()
+
+    def warmup(step: int) -> None:
+        loss_fn.kl_weight = min(1.0, (step + 1) / settings.kl_warmup)
+
     # A private parameter-store scope: Pyro-traced ELBOs register the guide's PyroParams in the
     # global store, where two guides with the same parameter names would overwrite each other.
     with pyro.get_param_store().scope():
-        for step in bar:
-            if settings.kl_warmup:
-                loss_fn.kl_weight = min(1.0, (step + 1) / settings.kl_warmup)
-            if flat:
-                loss = loss_fn.loss_and_grad(x, y, batches.next())
-            else:
-                loss = loss_fn(x, y, batches.next())
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-            history[step] = loss.detach()
-            if step + 1 - checked >= CHECK_EVERY:
-                _check_finite(history, checked, step + 1, params, snapshot)
-                checked = step + 1
-            if schedule is not None:
-                group["lr"] = settings.lr * schedule(min(step / max(steps - 1, 1), 1.0))
-            optimizer.step()
-            if step >= average_from:
-                with torch.no_grad():
-                    torch._foreach_lerp_(averaged, params, 1.0 / (step - average_from + 1))
-            if progress and step % 200 == 0:
-                bar.set_postfix(elbo=f"{-float(history[step]):.4g}", refresh=False)
-    _check_finite(history, checked, steps, params, snapshot)
-    if averaged:
-        with torch.no_grad():
-            for a, p in zip(averaged, params):
-                p.copy_(a)
+        history = optimize(step_fn, params, optimizer, settings, _Batches(num_data, batch, device), desc=method,
+                           progress=progress, before_step=warmup if settings.kl_warmup else None).losses
+    steps = settings.num_steps
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
