@@ -1,16 +1,18 @@
 r"""Executors: how the independent cells of a grid are run.
 
 The runner hands an executor a picklable function and a list of picklable tasks and reads back
-outcomes as they finish; it never needs to know where the work happened.  Each task writes its
-own results (atomically) into the results folder, so a remote worker only needs that folder on
-a shared file system, and the outcome it returns is a small summary.
+results as they finish; it never needs to know where the work happened.  A task returns its
+cell's record and the bytes of its files; the runner's process alone writes them into the results
+folder (atomically, with checksums, under the folder's lock), so a worker never needs the results
+folder at all.
 
 * :class:`InProcessExecutor` (default): one cell after the other in this process, with live
   per-cell progress bars.
 * :class:`FuturesExecutor`: any :class:`concurrent.futures.Executor` — a local
   ``ProcessPoolExecutor``, or a distributed engine's futures interface (Dask's
-  ``distributed.Client.get_executor()``, Ray's ``ray.util.multiprocessing.Pool`` through its
-  ``concurrent.futures`` adapter, ...).  Nothing in the runner changes.
+  ``distributed.Client.get_executor()``, ...).  Nothing in the runner changes.
+* :class:`~pyrobdl.compare.ray_executor.RayExecutor` (``pip install "pyrobdl[ray]"``): each cell a
+  Ray task with its declared CPU and (fractional) GPU resources, retried when its worker dies.
 """
 
 from __future__ import annotations
@@ -35,8 +37,17 @@ class Executor(Protocol):
     #: Whether cells run in this process (so per-cell progress bars can be shown).
     in_process: bool
 
-    def map_unordered(self, fn: Callable[[T], R], tasks: Sequence[T]) -> Iterator[R]:
-        """Yield ``fn(task)`` for each task as it completes."""
+    def map_unordered(self, fn: Callable[[T], R], tasks: Sequence[T],
+                      on_crash: Callable[[T, str], R] | None = None) -> Iterator[R]:
+        """Yield ``fn(task)`` for each task as it completes.
+
+        ``on_crash(task, message)`` gives the result of a task whose worker died and could not
+        be retried, for executors that can tell (a distributed one); the others raise.
+        """
+        ...
+
+    def in_flight(self) -> int:
+        """Tasks started and not yet returned (for the progress bar)."""
         ...
 
 
@@ -45,9 +56,21 @@ class InProcessExecutor:
 
     in_process = True
 
-    def map_unordered(self, fn: Callable[[T], R], tasks: Sequence[T]) -> Iterator[R]:
+    def __init__(self) -> None:
+        self._running = 0
+
+    def map_unordered(self, fn: Callable[[T], R], tasks: Sequence[T],
+                      on_crash: Callable[[T, str], R] | None = None) -> Iterator[R]:
         for task in tasks:
-            yield fn(task)
+            self._running = 1
+            try:
+                result = fn(task)
+            finally:
+                self._running = 0
+            yield result
+
+    def in_flight(self) -> int:
+        return self._running
 
 
 class FuturesExecutor:
@@ -71,12 +94,19 @@ class FuturesExecutor:
         if not isinstance(pool, cf.Executor):
             raise TypeError(f"pool must be a concurrent.futures.Executor, got {type(pool).__name__}")
         self.pool = pool
+        self._futures: list[cf.Future] = []
 
-    def map_unordered(self, fn: Callable[[T], R], tasks: Sequence[T]) -> Iterator[R]:
+    def map_unordered(self, fn: Callable[[T], R], tasks: Sequence[T],
+                      on_crash: Callable[[T, str], R] | None = None) -> Iterator[R]:
         futures = [self.pool.submit(fn, t) for t in tasks]
+        self._futures = futures
         try:
             for fut in cf.as_completed(futures):
                 yield fut.result()
         finally:
             for fut in futures:
                 fut.cancel()
+            self._futures = []
+
+    def in_flight(self) -> int:
+        return sum(f.running() for f in self._futures)

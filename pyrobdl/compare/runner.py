@@ -23,9 +23,11 @@ written (:class:`~pyrobdl.compare.store.WriteError`) stops the run instead of fa
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import io
+import json
 import platform
 import socket
 import time
@@ -54,6 +56,7 @@ from .store import (
     WriteError,
     atomic_write_bytes,
     atomic_write_json,
+    jsonable,
     cell_state,
     clean_tmp,
     new_run_id,
@@ -64,11 +67,66 @@ from .store import (
     write_manifest,
 )
 
-__all__ = ["CellOutcome", "CellTask", "RunSummary", "library_versions", "run_cell", "run_suite"]
+__all__ = [
+    "CellOutcome", "CellResult", "CellTask", "ReferencePayload", "RunSummary", "compute_cell", "crashed_result",
+    "library_versions", "reference_payload", "run_cell", "run_suite", "write_cell",
+]
 
 REFERENCE_DRAWS = "reference_draws.pt"
+CELL_LOG = "cell.log"
 INFERENCE_DATA = "inference_data.nc"
 ARRAYS = "arrays.npz"
+
+
+@dataclass(frozen=True)
+class ReferencePayload:
+    """A reference cell's stored posterior as the driver read it for a dependent cell.
+
+    Attributes
+    ----------
+    record : Mapping or None
+        The reference cell's record (None when unavailable).
+    draws : bytes or None
+        Its draws file, checked against the checksum in its record.
+    draws_sha256 : str or None
+        That checksum (recorded by the dependent cell).
+    note : str
+        Why the reference is unavailable (the dependent cell is then scored without it).
+    error : str
+        Why the stored draws cannot be used although the record is ``ok`` (damaged, replaced,
+        unreadable); the dependent cell fails with it.
+    """
+
+    record: Mapping[str, Any] | None
+    draws: bytes | None
+    draws_sha256: str | None
+    note: str = ""
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class CellResult:
+    """What a worker returns: the cell's record and the bytes of its files.
+
+    The driver writes them (:func:`write_cell`): workers never touch the results folder, so a
+    results folder does not depend on a shared file system, and one process holds its lock.
+
+    Attributes
+    ----------
+    cell_id : str
+    record : dict
+        The record, JSON types only, with the SHA-256 of every file in ``files`` under
+        ``checksums``.
+    files : dict of str to bytes
+        File name (in the cell's folder) -> contents.
+    wall_time_s : float
+        Seconds the worker spent on the cell.
+    """
+
+    cell_id: str
+    record: dict[str, Any]
+    files: dict[str, bytes]
+    wall_time_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -95,6 +153,17 @@ class CellTask:
         Registry name of the reference cell's method.
     run_id : str
         Id of the run (:func:`~pyrobdl.compare.store.new_run_id`); names its temporary files.
+    reference : ReferencePayload or None
+        The reference cell's record and draws, read and verified by the driver (a worker never
+        reads the results folder).
+    data : object or None
+        The cell's dataset split, loaded by the driver and shipped with the task (``ship_data``);
+        None: the worker loads it from ``data_dir``.
+    threads : int or None
+        torch threads for the cell (and ``fit``'s default); None leaves the process's setting.
+    capture_output : bool
+        Capture the cell's stdout and stderr into its ``cell.log`` instead of the console (for
+        workers in other processes, whose output would interleave).
     """
 
     cell: Cell
@@ -106,6 +175,10 @@ class CellTask:
     reference_model: Mapping[str, Any] | None = None
     reference_method: str | None = None
     run_id: str = ""
+    reference: ReferencePayload | None = None
+    data: Any = None
+    threads: int | None = None
+    capture_output: bool = False
 
 
 @dataclass(frozen=True)
@@ -262,14 +335,42 @@ def netcdf_bytes(idata: Any) -> bytes:
     return blob
 
 
-def _load_reference(task: CellTask, data: Any, device: torch.device) -> tuple[Any, str, str | None]:
-    """The reference posterior of ``task`` from its cell's stored draws, or (None, why not, None).
+def reference_payload(out: str | Path, reference: str) -> ReferencePayload:
+    """Read and verify a reference cell's record and draws for its dependents (driver side).
 
-    The draws are read only when they match the checksum their cell recorded; the third element
-    is that checksum, recorded by the dependent cell so a later change of the draws makes it stale.
-    Its ``certification`` is the reference cell's recorded one; a record without one (a method
-    without chains, or a record written before certifications existed) gives a failed
-    certification, "no certification recorded".
+    The draws are passed on only when they match the checksum their cell recorded.  A reference
+    that is missing or did not finish gives a ``note`` (its dependents are scored without it); a
+    record that is ``ok`` but whose draws are missing, damaged or unreadable gives an ``error``
+    naming the file (its dependents fail with it), as a stored result must never be silently
+    replaced.
+    """
+    ref_dir = Path(out) / "cells" / str(reference)
+    path = ref_dir / REFERENCE_DRAWS
+    try:
+        record = read_result(ref_dir / RESULT_FILE)
+    except (ResultsError, FileNotFoundError, OSError) as e:
+        return ReferencePayload(None, None, None, note=f"reference {reference} unavailable: {e}")
+    if record["status"] != "ok":
+        return ReferencePayload(None, None, None, note=f"reference {reference} unavailable: its cell {record['status']}")
+    expected = (record.get("checksums") or {}).get(REFERENCE_DRAWS)
+    try:
+        blob = path.read_bytes()
+    except OSError as e:
+        return ReferencePayload(record, None, None, error=f"reference draws {path} cannot be read: {e.strerror or e}")
+    if expected is None or hashlib.sha256(blob).hexdigest() != expected:
+        return ReferencePayload(record, None, None, error=(
+            f"reference draws {path} do not match the checksum in their cell's record "
+            "(damaged or replaced); rerun to refit the reference"))
+    return ReferencePayload(record, blob, expected)
+
+
+def _load_reference(task: CellTask, data: Any, device: torch.device) -> tuple[Any, str, str | None]:
+    """The reference posterior of ``task`` from the draws the driver shipped, or (None, why not, None).
+
+    The third element is the draws' checksum, recorded by the dependent cell so a later change of
+    the draws makes it stale.  Its ``certification`` is the reference cell's recorded one; a
+    record without one (a method without chains, or a record written before certifications
+    existed) gives a failed certification, "no certification recorded".
 
     Raises
     ------
@@ -277,24 +378,15 @@ def _load_reference(task: CellTask, data: Any, device: torch.device) -> tuple[An
         If the reference's draws are missing, damaged or unreadable although its record is
         ``ok`` (naming the file).
     """
-    ref_dir = Path(task.out) / "cells" / str(task.cell.reference)
-    path = ref_dir / REFERENCE_DRAWS
+    payload = task.reference or reference_payload(task.out, str(task.cell.reference))
+    if payload.error:
+        raise ResultsError(payload.error)
+    if payload.record is None or payload.draws is None:
+        return None, payload.note, None
+    record = payload.record
+    path = Path(task.out) / "cells" / str(task.cell.reference) / REFERENCE_DRAWS
     try:
-        record = read_result(ref_dir / RESULT_FILE)
-    except (ResultsError, FileNotFoundError, OSError) as e:
-        return None, f"reference {task.cell.reference} unavailable: {e}", None
-    if record["status"] != "ok":
-        return None, f"reference {task.cell.reference} unavailable: its cell {record['status']}", None
-    expected = (record.get("checksums") or {}).get(REFERENCE_DRAWS)
-    try:
-        blob = path.read_bytes()
-    except OSError as e:
-        raise ResultsError(f"reference draws {path} cannot be read: {e.strerror or e}") from None
-    if expected is None or hashlib.sha256(blob).hexdigest() != expected:
-        raise ResultsError(f"reference draws {path} do not match the checksum in their cell's record "
-                           "(damaged or replaced); rerun to refit the reference")
-    try:
-        draws = artifacts.load_draws_bytes(blob)
+        draws = artifacts.load_draws_bytes(payload.draws)
     except Exception as e:  # torch's zip reader: its message does not name the file
         raise ResultsError(f"reference draws {path} cannot be loaded: {type(e).__name__}: {e}") from None
     model = build_model(task.reference_model or {}, data).to(device)
@@ -305,15 +397,17 @@ def _load_reference(task: CellTask, data: Any, device: torch.device) -> tuple[An
     recorded = record.get("certification")
     certification = (Certification.from_dict(recorded) if isinstance(recorded, dict)
                      else Certification.missing("no certification recorded"))
-    return artifacts.StoredPosterior(model, draws, str(task.reference_method), cost, certification), "", expected
+    return artifacts.StoredPosterior(model, draws, str(task.reference_method), cost, certification), "", payload.draws_sha256
 
 
 def _warning_texts(stage: str, caught: Sequence[warnings.WarningMessage]) -> list[str]:
     return [f"{stage}: {w.category.__name__}: {w.message}" for w in caught]
 
 
-def run_cell(task: CellTask) -> CellOutcome:
-    """Run one cell and write its record; never raises for a failure of the cell itself.
+def compute_cell(task: CellTask) -> CellResult:
+    """Run one cell and return its record and files; never raises for a failure of the cell itself.
+
+    The worker's half of a cell: nothing is written here (the driver writes, :func:`write_cell`).
 
     Parameters
     ----------
@@ -321,26 +415,38 @@ def run_cell(task: CellTask) -> CellOutcome:
 
     Returns
     -------
-    CellOutcome
-        ``status`` is ``"failed"`` (with the error) when any step raised an ``Exception``;
-        the record then holds the error, its traceback and the stage it happened in.
-
-    Raises
-    ------
-    WriteError
-        When a file of the cell cannot be written (full disk, I/O or permission error): that is
-        not a failure of the cell but of the results folder, and the run must stop.  No record
-        is written then, so the cell is not counted as done.
+    CellResult
+        The record's ``status`` is ``"failed"`` (with the error, its traceback and the stage it
+        happened in) when any step raised an ``Exception``.
     """
+    from ..inference.registry import DEFAULTS
+
+    saved_threads = (torch.get_num_threads(), DEFAULTS.get("threads"))
+    if task.threads is not None:
+        torch.set_num_threads(task.threads)
+        DEFAULTS["threads"] = task.threads
+    log = io.StringIO()
+    try:
+        if task.capture_output:
+            with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+                return _compute_cell(task, log)
+        return _compute_cell(task, log)
+    finally:
+        torch.set_num_threads(saved_threads[0])
+        DEFAULTS["threads"] = saved_threads[1]
+
+
+def _compute_cell(task: CellTask, log: io.StringIO) -> CellResult:
     cell = task.cell
     spec = cell.spec
-    folder = Path(task.out) / "cells" / cell.id
-    owner = task.run_id or None
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise WriteError(str(folder), f"[Errno {e.errno}] {e.strerror or e}") from e
     start, cpu_start = time.perf_counter(), time.process_time()
+    files: dict[str, bytes] = {}
+
+    def add_file(name: str, blob: bytes) -> str:
+        files[name] = blob
+        record["checksums"][name] = hashlib.sha256(blob).hexdigest()
+        return name
+
     record: dict[str, Any] = {
         "schema": SCHEMA, "id": cell.id, "status": "running", "suite": spec["suite"],
         "dataset": cell.dataset, "method": cell.method, "method_name": spec["method"]["name"],
@@ -354,7 +460,16 @@ def run_cell(task: CellTask) -> CellOutcome:
     stage = "load data"
     try:
         ds = spec["dataset"]
-        data = load_dataset(ds["source"], ds["options"], cell.split, task.data_dir, Path(task.base))
+        if task.data is not None:
+            data = task.data
+        else:
+            try:
+                data = load_dataset(ds["source"], ds["options"], cell.split, task.data_dir, Path(task.base))
+            except FileNotFoundError as e:
+                if task.capture_output:  # a worker elsewhere: the data directory may not be visible there
+                    raise FileNotFoundError(f"{e} (on worker host {socket.gethostname()}; when workers cannot "
+                                            "see the data directory, ship the data with --ship-data)") from e
+                raise
         stage = "build model"
         model = build_model(spec["model"], data)
         record["data"] = _data_info(data, model)
@@ -423,8 +538,7 @@ def run_cell(task: CellTask) -> CellOutcome:
         arrays: dict[str, Any] = {"history": np.asarray(posterior.history, dtype=np.float64)}
         arrays.update(artifacts.predictive_band(posterior, data, n, seed))
         arrays.update(artifacts.calibration_curve(posterior, data, n, seed))
-        record["checksums"][ARRAYS] = atomic_write_bytes(folder / ARRAYS, npz_bytes(arrays), owner=owner)
-        record["artifacts"]["arrays"] = ARRAYS
+        record["artifacts"]["arrays"] = add_file(ARRAYS, npz_bytes(arrays))
         record["eval_time_s"] = time.perf_counter() - t_eval
         if spec.get("gradient_variance") is not None:
             stage = "gradient variance"
@@ -434,9 +548,7 @@ def run_cell(task: CellTask) -> CellOutcome:
                 record["warnings"].append(f"gradient_variance: {type(e).__name__}: {e}")
         if cell.is_reference:
             stage = "save reference draws"
-            record["checksums"][REFERENCE_DRAWS] = atomic_write_bytes(
-                folder / REFERENCE_DRAWS, artifacts.draws_bytes(posterior, n, seed), owner=owner)
-            record["artifacts"]["reference_draws"] = REFERENCE_DRAWS
+            record["artifacts"]["reference_draws"] = add_file(REFERENCE_DRAWS, artifacts.draws_bytes(posterior, n, seed))
         if spec.get("inference_data", True):
             stage = "inference data"
             try:
@@ -444,13 +556,9 @@ def run_cell(task: CellTask) -> CellOutcome:
             except Exception as e:  # a posterior without ArviZ data: metrics stand, the record says why
                 idata = None
                 record["warnings"].append(f"inference_data: {type(e).__name__}: {e}")
-            if idata is not None:  # a failed serialisation fails the cell; a failed write stops the run
-                record["checksums"][INFERENCE_DATA] = atomic_write_bytes(
-                    folder / INFERENCE_DATA, netcdf_bytes(idata), owner=owner)
-                record["artifacts"]["inference_data"] = INFERENCE_DATA
+            if idata is not None:  # a failed serialisation fails the cell
+                record["artifacts"]["inference_data"] = add_file(INFERENCE_DATA, netcdf_bytes(idata))
         record["status"] = "ok"
-    except WriteError:
-        raise
     except Exception as e:
         record["status"] = "failed"
         record["error"] = {
@@ -460,20 +568,78 @@ def run_cell(task: CellTask) -> CellOutcome:
     record["wall_time_s"] = time.perf_counter() - start
     record["cpu_time_s"] = time.process_time() - cpu_start
     record["finished_at"] = _now()
+    if task.capture_output:
+        record["artifacts"]["log"] = add_file(CELL_LOG, log.getvalue().encode("utf-8", "replace"))
     try:
-        atomic_write_json(folder / RESULT_FILE, record, owner=owner)
-    except WriteError:
-        raise
+        record = json.loads(json.dumps(jsonable(record), allow_nan=False))
     except Exception as e:  # e.g. an unserialisable diagnostic: keep a record of the failure
-        record = {k: record[k] for k in ("schema", "id", "dataset", "method", "split", "seed", "config_hash", "config")}
-        record.update(status="failed", error={"type": type(e).__name__, "message": f"writing the record: {e}",
-                                              "stage": "write record", "traceback": traceback.format_exc()})
-        atomic_write_json(folder / RESULT_FILE, record, owner=owner)
+        record = _failure_record(record, "write record", f"writing the record: {e}", traceback.format_exc())
+        files = {}
+    return CellResult(cell.id, record, files, time.perf_counter() - start)
+
+
+def _failure_record(record: Mapping[str, Any], stage: str, message: str, tb: str = "",
+                    error_type: str | None = None) -> dict[str, Any]:
+    """A minimal failed record keeping the cell's identity (when the full one cannot be kept)."""
+    keep = {k: record[k] for k in ("schema", "id", "dataset", "method", "split", "seed", "config_hash", "config")
+            if k in record}
+    keep.update(status="failed", error={"type": error_type or "RuntimeError", "message": message, "stage": stage,
+                                        "traceback": tb})
+    return json.loads(json.dumps(jsonable(keep), allow_nan=False))
+
+
+def crashed_result(task: CellTask, message: str) -> CellResult:
+    """The failed result of a cell whose worker died (and whose retries were spent)."""
+    cell = task.cell
+    record = {"schema": SCHEMA, "id": cell.id, "dataset": cell.dataset, "method": cell.method,
+              "split": cell.split, "seed": cell.seed, "config_hash": cell.config_hash, "config": cell.spec}
+    return CellResult(cell.id, _failure_record(record, "worker", message, error_type="WorkerCrashed"), {})
+
+
+def write_cell(out: str | Path, result: CellResult, *, owner: str | None = None) -> CellOutcome:
+    """Write a worker's :class:`CellResult` into the results folder (driver side).
+
+    Every file is written atomically first and its checksum checked against the record's; the
+    record (``result.json``) is written last, so a cell counts as done only once all its files are
+    in place.
+
+    Raises
+    ------
+    WriteError
+        When a file cannot be written (full disk, I/O or permission error): that is not a failure
+        of the cell but of the results folder, and the run must stop.  No record is written then,
+        so the cell is not counted as done.
+    ResultsError
+        When a file's bytes do not match the checksum the worker recorded (corrupted in transit).
+    """
+    folder = Path(out) / "cells" / result.cell_id
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise WriteError(str(folder), f"[Errno {e.errno}] {e.strerror or e}") from e
+    checksums = result.record.get("checksums") or {}
+    for name, blob in result.files.items():
+        sha = atomic_write_bytes(folder / name, blob, owner=owner)
+        if checksums.get(name) != sha:
+            raise ResultsError(f"{folder / name}: the bytes received do not match the worker's checksum")
+    atomic_write_json(folder / RESULT_FILE, result.record, owner=owner)
+    record = result.record
     err = record.get("error") or {}
     return CellOutcome(
-        cell.id, record["status"], f"{err.get('type')}: {err.get('message')}" if err else "",
-        time.perf_counter() - start,
+        result.cell_id, record["status"], f"{err.get('type')}: {err.get('message')}" if err else "",
+        float(record.get("wall_time_s", result.wall_time_s) or result.wall_time_s),
     )
+
+
+def run_cell(task: CellTask) -> CellOutcome:
+    """Run one cell in this process and write it: :func:`compute_cell` then :func:`write_cell`.
+
+    Raises
+    ------
+    WriteError
+        When a file of the cell cannot be written (see :func:`write_cell`).
+    """
+    return write_cell(task.out, compute_cell(task), owner=task.run_id or None)
 
 
 def _tqdm(**kwargs: Any) -> Any:
@@ -493,6 +659,8 @@ def run_suite(
     progress: bool = True,
     rerun_invalid: bool = False,
     log: Callable[[str], None] | None = None,
+    ship_data: bool = False,
+    threads: int | None = None,
 ) -> RunSummary:
     """Run (or resume) a suite into ``out``.
 
@@ -517,6 +685,13 @@ def run_suite(
         Set corrupt or stale records aside and rerun their cells instead of stopping.
     log : callable, optional
         Receives one line per event (default: ``tqdm.write``, or nothing without progress).
+    ship_data : bool, default False
+        Load every (dataset, split) once here and ship it with its cells' tasks (through the
+        object store of a distributed executor), for workers that cannot see the data
+        directory; default: each worker loads its cell's data from the data directory.
+    threads : int, optional
+        torch threads for every cell (and ``fit``'s default), set in the worker; default: the
+        worker's own setting (a distributed executor may set it from the cell's resources).
 
     Returns
     -------
@@ -556,7 +731,7 @@ def run_suite(
     run_id = new_run_id()
     with RunLock(out, run_id):
         return _run_locked(suite, grid, cells, out, run_id, data_dir, device, executor, progress, rerun_invalid,
-                           log, started)
+                           log, started, ship_data, threads)
 
 
 def _state(c: Cell, cells_root: Path) -> tuple[str, str]:
@@ -566,7 +741,8 @@ def _state(c: Cell, cells_root: Path) -> tuple[str, str]:
 
 def _run_locked(suite: Suite, grid: list[Cell], cells: list[Cell], out: Path, run_id: str, data_dir: str | None,
                 device: str | None, executor: Executor, progress: bool, rerun_invalid: bool,
-                log: Callable[[str], None], started: float) -> RunSummary:
+                log: Callable[[str], None], started: float, ship_data: bool = False,
+                threads: int | None = None) -> RunSummary:
     """:func:`run_suite` once the folder's lock is held."""
     cells_root = out / "cells"
     removed = clean_tmp(cells_root)
@@ -592,12 +768,32 @@ def _run_locked(suite: Suite, grid: list[Cell], cells: list[Cell], out: Path, ru
     log(f"{suite.name}: {describe(cells)}; {sum(s == 'ok' for s, _ in states.values())} done, "
         f"{sum(s != 'ok' for s, _ in states.values())} to run")
     by_id = {c.id: c for c in cells}
+    shipped: dict[tuple[str, int], Any] = {}
+    remote = not executor.in_process
+
+    def data_of(c: Cell) -> Any:
+        if not ship_data:
+            return None
+        key = (c.dataset, c.split)
+        if key not in shipped:  # once per (dataset, split): its cells share one object
+            ds = c.spec["dataset"]
+            shipped[key] = load_dataset(ds["source"], ds["options"], c.split, data_dir, suite.path.parent)
+        return shipped[key]
+
+    payloads: dict[str, ReferencePayload] = {}
+
+    def reference_of(ref_id: str) -> ReferencePayload:
+        if ref_id not in payloads:  # read once per stage; its dependents share one object
+            payloads[ref_id] = reference_payload(out, ref_id)
+        return payloads[ref_id]
 
     def task(c: Cell) -> CellTask:
         ref = by_id.get(c.reference) if c.reference else None
         return CellTask(
             c, str(out), data_dir, str(suite.path.parent), device, progress and executor.in_process,
             dict(ref.spec["model"]) if ref else None, ref.spec["method"]["name"] if ref else None, run_id,
+            reference=reference_of(c.reference) if c.reference else None,
+            data=data_of(c), threads=threads, capture_output=remote,
         )
 
     ok: list[str] = []
@@ -606,6 +802,14 @@ def _run_locked(suite: Suite, grid: list[Cell], cells: list[Cell], out: Path, ru
     skipped: list[str] = [c.id for c in cells if c.is_reference and states[c.id][0] == "ok"]
     bar = _tqdm(total=sum(s != "ok" for s, _ in states.values()), desc=suite.name, unit="cell",
                 disable=not progress, position=0)
+
+    def show_counts() -> None:
+        in_flight = getattr(executor, "in_flight", None)
+        counts = {"done": len(ok), "failed": len(failed)}
+        if callable(in_flight):
+            counts["running"] = in_flight()
+        bar.set_postfix(counts, refresh=True)
+
     try:
         # Reference cells first: the others read their draws, and are decided only once the
         # references are final (a refitted reference makes the cells scored against it stale).
@@ -623,13 +827,19 @@ def _run_locked(suite: Suite, grid: list[Cell], cells: list[Cell], out: Path, ru
                     stage.append(c)
                 bar.total = len(todo_refs) + len(stage)
                 bar.refresh()
-            for outcome in executor.map_unordered(run_cell, [task(c) for c in stage]):
+            payloads.clear()  # references are final once their stage is over
+            tasks = [task(c) for c in stage]
+            show_counts()
+            # The workers compute; this process alone writes into the results folder.
+            for result in executor.map_unordered(compute_cell, tasks, on_crash=crashed_result):
+                outcome = write_cell(out, result, owner=run_id)
                 (ok if outcome.status == "ok" else failed).append(outcome.cell_id)
                 if outcome.error:
                     errors[outcome.cell_id] = outcome.error
                 log(f"{outcome.status:6s} {outcome.cell_id} ({outcome.wall_time_s:.1f} s)"
                     + (f": {outcome.error}" if outcome.error else ""))
                 bar.update(1)
+                show_counts()
     except WriteError as e:
         log(f"stopped: {e}; {len(ok) + len(failed)} cell(s) finished before it are kept")
         raise
