@@ -68,6 +68,14 @@ def _parser() -> argparse.ArgumentParser:
                    "split, seed; repeat a key to allow several values); their reference cells are added")
     p.add_argument("--workers", type=int, default=1, metavar="N",
                    help="run N cells at a time in worker processes (default 1: in this process)")
+    p.add_argument("--executor", choices=("local", "ray"), default="local",
+                   help="where cells run: 'local' (this machine: in this process, or --workers processes) "
+                        "or 'ray' (each cell a Ray task; needs pip install \"pyrobdl[ray]\"; see docs/compare.md)")
+    p.add_argument("--ray-address", metavar="ADDR", help="join a running Ray cluster (e.g. 'auto', or "
+                   "ray://host:10001); default: start a local Ray using this machine's cores")
+    p.add_argument("--ship-data", action="store_true", help="with --executor ray: load each dataset split "
+                   "here and ship it to the workers through Ray's object store (for workers that cannot see "
+                   "the data directory; default: workers read it from the data directory)")
     p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads per fit (default: "
                    "fit's 'auto': 1 for small networks, else the cores the load leaves idle)")
     p.add_argument("--rerun-invalid", action="store_true", help="set corrupt or stale result files "
@@ -149,6 +157,19 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     if args.workers < 1:
         _err(f"--workers must be >= 1, got {args.workers}")
         return 2
+    if args.executor == "ray" and args.workers != 1:
+        _err("--workers is for --executor local; with --executor ray the cluster's resources decide how many "
+             "cells run at once (see the suite's per-method resources)")
+        return 2
+    if args.executor != "ray" and (args.ray_address or args.ship_data):
+        _err(f"{'--ray-address' if args.ray_address else '--ship-data'} needs --executor ray")
+        return 2
+    if args.executor == "ray":
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            _err('--executor ray needs Ray: pip install "pyrobdl[ray]"')
+            return 2
     if args.threads is not None:
         if args.threads < 1:
             _err(f"--threads must be >= 1, got {args.threads}")
@@ -181,14 +202,23 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         _err(str(e))
         return 2
     pool = None
-    if args.workers > 1:
+    if args.executor == "ray":
+        from .compare.ray_executor import RayExecutor
+
+        try:
+            executor: Any = RayExecutor(args.ray_address)
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            _err(f"cannot start or join Ray{' at ' + args.ray_address if args.ray_address else ''}: {e}")
+            return 2
+        pool = executor
+    elif args.workers > 1:
         import concurrent.futures as cf
         import multiprocessing as mp
 
         # --threads applies to every worker too: torch's thread count is per process
         pool = cf.ProcessPoolExecutor(max_workers=args.workers, mp_context=mp.get_context("spawn"),
                                       initializer=_init_worker, initargs=(args.threads,))
-        executor: Any = FuturesExecutor(pool)
+        executor = FuturesExecutor(pool)
     else:
         executor = InProcessExecutor()
     try:
@@ -196,6 +226,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             suite, args.out, data_dir=args.data_dir, device=args.device, only=only, executor=executor,
             progress=not args.no_progress, rerun_invalid=args.rerun_invalid,
             log=(lambda line: print(line, flush=True)) if args.no_progress else None,
+            ship_data=args.ship_data, threads=args.threads,
         )
     except (ConfigError, ValueError, FolderLockedError) as e:
         _err(str(e))
@@ -211,8 +242,10 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         _err("interrupted; finished cells are kept, rerun the same command to resume")
         return 130
     finally:
-        if pool is not None:
+        if isinstance(pool, _cf_executor_type()):
             pool.shutdown(cancel_futures=True)
+        elif pool is not None:
+            pool.shutdown()
     print(
         f"{suite.name}: {len(summary.ok)} cell(s) ran ok, {len(summary.failed)} failed, "
         f"{len(summary.skipped)} already done; {summary.wall_time_s:.1f} s; results in {summary.out}"
@@ -220,6 +253,12 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     for cid, error in summary.errors.items():
         print(f"  failed: {cid}: {error}", file=sys.stderr)
     return 0 if summary.success else 1
+
+
+def _cf_executor_type() -> type:
+    import concurrent.futures as cf
+
+    return cf.Executor
 
 
 def _cmd_report(args: argparse.Namespace) -> int:

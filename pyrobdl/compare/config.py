@@ -29,6 +29,7 @@ File layout (every table and key is optional unless marked)::
     model = { prior = { kind = "log_uniform" } }   # model overrides for this method
     published = ["gal2016_mc_dropout"]             # published rows the report compares with
     gradient_variance = false      # run the gradient-variance diagnostic after the fit
+    resources = { cpu = 1, gpu = 0.25 }            # per cell, for --executor ray (default cpu 1, gpu 0)
 
     [datasets.<label>]             # at least one
     source = "uci"                 # required: blr | gap | uci | mnist | file
@@ -87,7 +88,9 @@ SUITE_KEYS = (
 )
 TOP_KEYS = ("datasets", "gradient_variance", "methods", "model", "suite")
 MODEL_KEYS = ("activation", "hidden", "likelihood", "prior")
-METHOD_RESERVED = ("gradient_variance", "method", "model", "published")
+METHOD_RESERVED = ("gradient_variance", "method", "model", "published", "resources")
+#: Keys of a method's ``resources`` table (per cell, for distributed executors).
+RESOURCE_KEYS = ("cpu", "gpu")
 DATASET_RESERVED = ("methods", "model", "overrides", "reference", "source", "splits")
 PRECISION_UNITS = ("original", "standardized")
 #: Dataset and method labels: ASCII letters and digits in runs joined by single '_' or '-'
@@ -175,6 +178,10 @@ class MethodEntry:
         Keys of published rows (:data:`pyrobdl.report.published.PUBLISHED`) to compare with.
     gradient_variance : bool
         Whether the gradient-variance diagnostic runs after the fit.
+    resources : Mapping[str, float]
+        What one cell of this method needs from a distributed executor: ``cpu`` (cores,
+        default 1) and ``gpu`` (a device or a fraction of one, default 0).  Not part of a cell's
+        configuration hash: changing it does not invalidate stored results.
     """
 
     label: str
@@ -183,6 +190,7 @@ class MethodEntry:
     model: Mapping[str, Any] = field(default_factory=dict)
     published: tuple[str, ...] = ()
     gradient_variance: bool = False
+    resources: Mapping[str, float] = field(default_factory=lambda: {"cpu": 1.0, "gpu": 0.0})
 
 
 @dataclass(frozen=True)
@@ -401,10 +409,33 @@ def _parse_methods(errors: _Errors, raw: Any) -> list[MethodEntry]:
         gv = table.get("gradient_variance", False)
         if not isinstance(gv, bool):
             errors.add(f"{where}.gradient_variance", f"must be true or false, got {gv!r}")
+        resources = _parse_resources(errors, f"{where}.resources", table.get("resources", {}))
         entries.append(
-            MethodEntry(label, name, options, model if isinstance(model, dict) else {}, published, gv is True)
+            MethodEntry(label, name, options, model if isinstance(model, dict) else {}, published, gv is True,
+                        resources)
         )
     return entries
+
+
+def _parse_resources(errors: _Errors, where: str, raw: Any) -> dict[str, float]:
+    """``resources = { cpu = N, gpu = F }``: cpu a number > 0, gpu 0, a fraction in (0, 1) or a whole count."""
+    out = {"cpu": 1.0, "gpu": 0.0}
+    if not isinstance(raw, dict):
+        errors.add(where, f"must be a table like {{ cpu = 1, gpu = 0.25 }}, got {raw!r}")
+        return out
+    errors.unknown(where, raw, RESOURCE_KEYS)
+    for key in RESOURCE_KEYS:
+        if key not in raw:
+            continue
+        v = raw[key]
+        if not _is_number(v) or isinstance(v, bool) or not math.isfinite(v) or v < 0 or (key == "cpu" and v == 0):
+            errors.add(f"{where}.{key}", f"must be a number {'> 0' if key == 'cpu' else '>= 0'}, got {v!r}")
+            continue
+        if key == "gpu" and v > 1 and float(v) != int(v):
+            errors.add(f"{where}.gpu", f"must be a fraction of one device (at most 1) or a whole number of devices, got {v!r}")
+            continue
+        out[key] = float(v)
+    return out
 
 
 def _parse_datasets(

@@ -44,6 +44,9 @@ class Cell:
         Whether other cells use this cell's posterior as their reference.
     reference : str or None
         Id of this cell's reference cell.
+    resources : Mapping[str, float]
+        ``{"cpu": ..., "gpu": ...}`` one run of the cell needs (its method's ``resources``; for
+        distributed executors; not in ``spec``, so not in the hash).
     """
 
     id: str
@@ -55,6 +58,7 @@ class Cell:
     config_hash: str = field(repr=False)
     is_reference: bool = False
     reference: str | None = None
+    resources: Mapping[str, float] = field(default_factory=lambda: {"cpu": 1.0, "gpu": 0.0}, repr=False)
 
 
 def cell_id(dataset: str, method: str, split: int, seed: int) -> str:
@@ -140,7 +144,8 @@ def expand(suite: Suite, data_dir: str | None = None) -> list[Cell]:
                     is_ref = cid == ref_id
                     spec["reference"] = None if (ref_id is None or is_ref) else ref_id
                     cells.append(
-                        Cell(cid, ds.label, label, split, seed, spec, _hash(spec), is_ref, spec["reference"])
+                        Cell(cid, ds.label, label, split, seed, spec, _hash(spec), is_ref, spec["reference"],
+                             dict(entry.resources))
                     )
     folded: dict[str, str] = {}
     for c in cells:  # guaranteed by the label grammar; checked because a clash would lose results

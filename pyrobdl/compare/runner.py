@@ -472,7 +472,8 @@ def _compute_cell(task: CellTask, log: io.StringIO) -> CellResult:
                 raise
         stage = "build model"
         model = build_model(spec["model"], data)
-        record["data"] = _data_info(data, model)
+        record["data"] = {**_data_info(data, model),
+                          "loaded_by": "driver (shipped)" if task.data is not None else "worker"}
         stage = "fit"
         cpu_fit = time.process_time()
         # fit's warnings (not certified as a reference, a saturated sampler) belong in the record

@@ -1,0 +1,243 @@
+"""The comparison suite on Ray (pyrobdl.compare.ray_executor): a local Ray cluster started by the
+tests (2 CPUs, no dashboard), the driver as the only writer, same metrics as a local run, shipped
+data, retries of a killed worker, cells that keep failing, Ctrl-C, resume across executors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray", reason='Ray is an optional extra: pip install "pyrobdl[ray]"')
+
+from ray import cloudpickle  # noqa: E402  (vendored by Ray)
+
+from pyrobdl.compare import load_suite, run_suite  # noqa: E402
+from pyrobdl.compare import runner as runner_module  # noqa: E402
+from pyrobdl.compare.config import ConfigError  # noqa: E402
+from pyrobdl.compare.ray_executor import RayExecutor  # noqa: E402
+from pyrobdl.compare.store import RESULT_FILE, read_result, scan_results  # noqa: E402
+
+# The fault-injecting functions below run in Ray's worker processes, which cannot import this
+# test module by name: ship it by value.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+TINY = """
+[suite]
+name = "tiny"
+seeds = [0]
+num_eval_samples = 20
+inference_data = false
+reference = "map"
+
+[model]
+hidden = [5]
+likelihood = { kind = "gaussian", precision = 50.0 }
+
+[methods.mean_field]
+num_steps = 30
+resources = { cpu = 1 }
+
+[methods.map]
+num_steps = 30
+
+[datasets.gap]
+source = "gap"
+num_train = 20
+num_test = 30
+splits = [0, 1]
+"""
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """One local Ray for the module (its start-up, several seconds, is paid once)."""
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+def write(tmp_path: Path, text: str = TINY, name: str = "suite.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def run(path: Path, out: Path, **kwargs):
+    return run_suite(load_suite(path), out, progress=False, threads=1, **kwargs)
+
+
+def metrics_by_cell(out: Path) -> dict[str, dict]:
+    return {p.parent.name: read_result(p)["metrics"] for p in sorted((out / "cells").glob(f"*/{RESULT_FILE}"))}
+
+
+def test_same_cells_give_the_same_metrics_as_a_local_run(tmp_path, local_ray):
+    path = write(tmp_path)
+    local = run(path, tmp_path / "local")
+    on_ray = run(path, tmp_path / "ray", executor=RayExecutor())
+    assert local.success and on_ray.success and len(on_ray.ok) == 4
+    a, b = metrics_by_cell(tmp_path / "local"), metrics_by_cell(tmp_path / "ray")
+    assert a.keys() == b.keys() and len(a) == 4
+    for cid in a:  # seeded, one torch thread per task: the same numbers, not merely close ones
+        assert a[cid] == b[cid], cid
+    # the driver wrote everything, with the same layout and verified checksums, plus each cell's log
+    records, skipped = scan_results(tmp_path / "ray")
+    assert len(records) == 4 and not skipped
+    for rec in records:
+        assert rec["artifacts"]["log"] == "cell.log" and "cell.log" in rec["checksums"]
+        assert rec["data"]["loaded_by"] == "worker"
+    assert not list((tmp_path / "ray" / "cells").glob("*/.*tmp*"))
+
+
+def test_interrupted_on_ray_resumes_locally_and_vice_versa(tmp_path, local_ray):
+    path = write(tmp_path)
+    out = tmp_path / "out"
+    first = run(path, out, executor=RayExecutor(), only={"split": {"0"}})
+    assert first.success and len(first.ok) == 2
+    second = run(path, out)  # local: resumes, runs only split 1
+    assert second.success and len(second.ok) == 2 and set(second.skipped) == set(first.ok)
+    third = run(path, out, executor=RayExecutor())  # back on Ray: nothing left
+    assert third.success and not third.ok and len(third.skipped) == 4
+
+
+def test_shipped_data_reaches_workers_that_cannot_see_the_file(tmp_path, local_ray, monkeypatch):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((40, 2))
+    np.savetxt(tmp_path / "mine.csv", np.column_stack([x, x.sum(1)]), delimiter=",", header="a,b,y", comments="")
+    text = TINY.replace('[datasets.gap]\nsource = "gap"\nnum_train = 20\nnum_test = 30\nsplits = [0, 1]',
+                        '[datasets.mine]\nsource = "file"\npath = "mine.csv"\ntarget = "y"')
+    path = write(tmp_path, text)
+    real_load = runner_module.load_dataset
+
+    def load_then_delete(*args, **kwargs):  # the driver loads once, then the file is gone for the workers
+        data = real_load(*args, **kwargs)
+        (tmp_path / "mine.csv").unlink(missing_ok=True)
+        return data
+
+    monkeypatch.setattr(runner_module, "load_dataset", load_then_delete)
+    shipped = run(path, tmp_path / "shipped", executor=RayExecutor(), ship_data=True)
+    assert shipped.success and len(shipped.ok) == 2
+    assert all(r["data"]["loaded_by"] == "driver (shipped)" for r in scan_results(tmp_path / "shipped")[0])
+    # without shipping, workers that cannot see the file fail with a message saying what to do
+    assert not (tmp_path / "mine.csv").exists()
+    np.savetxt(tmp_path / "mine.csv", np.column_stack([x, x.sum(1)]), delimiter=",", header="a,b,y", comments="")
+    real_plan = runner_module.check_plan
+
+    def plan_then_delete(*args, **kwargs):  # the driver plans with the file, the workers never see it
+        real_plan(*args, **kwargs)
+        (tmp_path / "mine.csv").unlink()
+
+    monkeypatch.setattr(runner_module, "check_plan", plan_then_delete)
+    unseen = run(path, tmp_path / "unseen", executor=RayExecutor())
+    assert not unseen.ok and len(unseen.failed) == 2
+    assert all("--ship-data" in e for e in unseen.errors.values())
+
+
+def _dies_once(marker: str):
+    """A compute function whose worker process dies on the first attempt of each cell."""
+
+    def fn(task):
+        flag = Path(marker) / task.cell.id
+        if not flag.exists():
+            flag.write_text(str(os.getpid()))
+            os._exit(1)  # the worker process dies mid-cell, as if killed
+        return runner_module.compute_cell(task)
+
+    return fn
+
+
+def _always_dies(task):
+    os._exit(1)
+
+
+def test_a_killed_worker_is_retried(tmp_path, local_ray, monkeypatch):
+    path = write(tmp_path)
+    (tmp_path / "marks").mkdir()
+    monkeypatch.setattr(runner_module, "compute_cell", _dies_once(str(tmp_path / "marks")))
+    summary = run(path, tmp_path / "out", executor=RayExecutor(max_retries=1), only={"split": {"0"}})
+    assert summary.success and len(summary.ok) == 2
+    assert len(list((tmp_path / "marks").iterdir())) == 2  # every cell's first worker died
+    assert len(scan_results(tmp_path / "out")[0]) == 2
+
+
+def test_a_cell_that_keeps_killing_its_worker_is_recorded_as_failed(tmp_path, local_ray, monkeypatch):
+    path = write(tmp_path)
+    monkeypatch.setattr(runner_module, "compute_cell", _always_dies)
+    summary = run(path, tmp_path / "out", executor=RayExecutor(max_retries=1), only={"method": {"map"}, "split": {"0"}})
+    assert summary.failed == ("gap__map__split-0__seed-0",) and not summary.ok
+    rec = read_result(tmp_path / "out" / "cells" / "gap__map__split-0__seed-0" / RESULT_FILE)
+    assert rec["status"] == "failed" and rec["error"]["stage"] == "worker"
+    assert "1 retries spent" in rec["error"]["message"]
+    # like a local failure: rerunning the same command runs it again
+    monkeypatch.setattr(runner_module, "compute_cell", _real_compute)
+    again = run(path, tmp_path / "out", executor=RayExecutor(), only={"method": {"map"}, "split": {"0"}})
+    assert again.ok == ("gap__map__split-0__seed-0",)
+
+
+_real_compute = runner_module.compute_cell
+
+
+def test_resources_are_validated():
+    from pyrobdl.compare.config import parse_suite
+    import tomllib
+
+    base = tomllib.loads(TINY)
+    for bad, match in (({"gpu": -1}, "gpu"), ({"cpu": 0}, "cpu"), ({"tpu": 1}, "tpu"), ({"gpu": 1.5}, "fraction"),
+                       ("two", "table")):
+        raw = json.loads(json.dumps(base))
+        raw["methods"]["map"]["resources"] = bad
+        with pytest.raises(ConfigError, match=match):
+            parse_suite(raw)
+    raw = json.loads(json.dumps(base))
+    raw["methods"]["map"]["resources"] = {"cpu": 2, "gpu": 0.25}
+    suite = parse_suite(raw)
+    assert dict(suite.method("map").resources) == {"cpu": 2.0, "gpu": 0.25}
+
+
+def test_resources_do_not_change_a_cells_identity(tmp_path):
+    from pyrobdl.compare.grid import expand
+
+    a = expand(load_suite(write(tmp_path, TINY, "a.toml")), None)
+    b = expand(load_suite(write(tmp_path, TINY.replace("resources = { cpu = 1 }", "resources = { cpu = 2, gpu = 0.5 }"),
+                                "b.toml")), None)
+    assert [c.config_hash for c in a] == [c.config_hash for c in b]
+    assert {c.resources["gpu"] for c in b if c.method == "mean_field"} == {0.5}
+
+
+def test_ctrl_c_cancels_and_exits_130_then_resumes(tmp_path):
+    # A real process with its own local Ray: SIGINT while cells run.
+    slow = TINY.replace("[methods.mean_field]\nnum_steps = 30", "[methods.mean_field]\nnum_steps = 200000")
+    path = write(tmp_path, slow)
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "pyrobdl.cli", "compare", str(path), "--out", str(out), "--executor", "ray",
+           "--threads", "1", "--no-progress"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.time() + 120
+    while time.time() < deadline and len(list((out / "cells").glob(f"gap__map__*/{RESULT_FILE}"))) < 2:
+        time.sleep(0.5)
+    time.sleep(2)  # the slow mean-field cells are running now
+    proc.send_signal(signal.SIGINT)
+    try:
+        stdout, stderr = proc.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    assert proc.returncode == 130, stderr[-2000:]
+    assert "interrupted; finished cells are kept, rerun the same command to resume" in stderr
+    done = {p.parent.name for p in (out / "cells").glob(f"*/{RESULT_FILE}")}
+    assert done == {"gap__map__split-0__seed-0", "gap__map__split-1__seed-0"}
+    # the lock was released and the run resumes (locally, with a short budget)
+    path.write_text(textwrap.dedent(TINY))
+    summary = run(path, out)
+    assert summary.success and set(summary.skipped) == done and len(summary.ok) == 2
