@@ -110,7 +110,7 @@ class RayExecutor:
         self.shutdown()
 
     def in_flight(self) -> int:
-        """Tasks submitted and not yet returned."""
+        """Tasks submitted and not yet returned (running, or queued until the cluster has room)."""
         return len(self._pending)
 
     def _submit(self, fn: Callable[[T], R], task: T, cache: dict[int, Any]) -> Any:

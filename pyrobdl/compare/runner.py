@@ -808,7 +808,7 @@ def _run_locked(suite: Suite, grid: list[Cell], cells: list[Cell], out: Path, ru
         in_flight = getattr(executor, "in_flight", None)
         counts = {"done": len(ok), "failed": len(failed)}
         if callable(in_flight):
-            counts["running"] = in_flight()
+            counts["in flight"] = in_flight()  # running, or queued on a busy cluster
         bar.set_postfix(counts, refresh=True)
 
     try:
