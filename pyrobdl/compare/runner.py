@@ -4,10 +4,12 @@ r"""The runner: plan a suite's grid, run its cells through an executor, record e
 ``--only`` filter, data loading, model construction and each method's own ``check_model``),
 decides from the results folder which cells are already done (see :mod:`pyrobdl.compare.store`
 for the resume policy), runs the reference cells first and then the rest, and returns a
-:class:`RunSummary`.  :func:`run_cell` is the unit of work: load data, build the model,
+:class:`RunSummary`.  :func:`compute_cell` is the unit of work, run by a worker (in this process,
+another process or a Ray node): load data, build the model,
 :func:`pyrobdl.fit`, :func:`pyrobdl.diagnostics.evaluate` on the test split (against the
 reference when the dataset names one) and :func:`pyrobdl.diagnostics.fit_diagnostics` on the
-training split (PSIS-LOO, the VI Pareto k̂), the stored artifacts, and finally the record.  A cell that raises is
+training split (PSIS-LOO, the VI Pareto k̂), the artifacts' bytes, and finally the record; it writes
+nothing.  :func:`write_cell`, in the driver only, writes them into the results folder.  A cell that raises is
 recorded with its error and the others go on.  The fit's and the evaluation's warnings (e.g. "not
 certified as a reference", a saturated sampler) are recorded in the cell's ``warnings`` as text; a
 cell evaluated against a reference whose certification failed, or was never recorded, says so there
