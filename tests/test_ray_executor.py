@@ -25,36 +25,16 @@ from pyrobdl.compare import runner as runner_module  # noqa: E402
 from pyrobdl.compare.config import ConfigError  # noqa: E402
 from pyrobdl.compare.ray_executor import RayExecutor  # noqa: E402
 from pyrobdl.compare.store import RESULT_FILE, read_result, scan_results  # noqa: E402
+from test_compare import TINY as _COMPARE_TINY  # noqa: E402
 
 # The fault-injecting functions below run in Ray's worker processes, which cannot import this
 # test module by name: ship it by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-TINY = """
-[suite]
-name = "tiny"
-seeds = [0]
-num_eval_samples = 20
-inference_data = false
-reference = "map"
-
-[model]
-hidden = [5]
-likelihood = { kind = "gaussian", precision = 50.0 }
-
-[methods.mean_field]
-num_steps = 30
-resources = { cpu = 1 }
-
-[methods.map]
-num_steps = 30
-
-[datasets.gap]
-source = "gap"
-num_train = 20
-num_test = 30
-splits = [0, 1]
-"""
+# test_compare's tiny suite, with MAP as the reference and a resources table
+TINY = (_COMPARE_TINY.replace("[suite]\n", '[suite]\nreference = "map"\n')
+        .replace("[methods.mean_field]\nnum_steps = 30\n", "[methods.mean_field]\nnum_steps = 30\nresources = { cpu = 1 }\n"))
+assert 'reference = "map"' in TINY and "resources" in TINY
 
 
 @pytest.fixture(scope="module")
