@@ -299,3 +299,18 @@ def test_fit_through_the_flat_path_matches_the_distribution_path(method, prior):
         states.append(post.guide.state_dict())
     for k, v in states[0].items():
         assert torch.allclose(v, states[1][k], rtol=1e-4, atol=1e-5), k
+
+
+def test_score_function_guide_is_packed_but_stays_off_the_flat_path():
+    """ScoreFunction inherits MeanField's packing (its per-site parameters are views of one
+    vector); its gradient estimator is not reparameterised, so it has no flat ELBO."""
+    from pyrobdl.guides import ScoreFunction
+
+    model = pyrobdl.BayesianMLP(2, (3,), 1)
+    guide = ScoreFunction(model)
+    vector = guide.packed("params")
+    with torch.no_grad():
+        vector.fill_(0.25)
+    for n in guide._packs["params"]:
+        assert torch.all(guide._parameters[n + "_unconstrained"] == 0.25)
+    assert guide.flat_family() is None and "ScoreFunction" in flat_support(model, guide)
