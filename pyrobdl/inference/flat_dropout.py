@@ -368,8 +368,9 @@ def _lrt_likelihood(
             g_mu[wsl] += (h.t() @ g.sum(0)).t().reshape(-1)
             g_var[ssl] += ((h * h).t() @ gv.sum(0)).t().reshape(-1)
         else:
-            g_mu[wsl] += torch.einsum("sbo,sbi->oi", g, h).reshape(-1)
-            g_var[ssl] += torch.einsum("sbo,sbi->oi", gv, h * h).reshape(-1)
+            # sums over particles and data points as one [out, S*B] @ [S*B, in] product each
+            g_mu[wsl] += (g.reshape(-1, out).t() @ h.reshape(-1, inp)).reshape(-1)
+            g_var[ssl] += (gv.reshape(-1, out).t() @ (h * h).reshape(-1, inp)).reshape(-1)
         if plan.biases[i] is not None:
             g_theta[:, plan.biases[i]] = g.sum(1)
         if i > 0:
