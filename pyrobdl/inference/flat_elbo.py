@@ -36,6 +36,9 @@ A point-mass guide (:class:`~pyrobdl.guides.MAP`) has loss
 :math:`-[A(\theta) + \beta \log p(c(\theta))]`: the prior in constrained space, without the
 log-Jacobian, as Pyro's ``Delta`` guide gives.
 
+MC dropout and variational dropout (with local reparameterization) have their own closed forms
+and derivatives in :mod:`pyrobdl.inference.flat_dropout` (``tests/test_flat_dropout.py``).
+
 ``tests/test_flat_elbo.py`` holds value and gradient equal to Pyro's ``Trace_ELBO`` and
 ``TraceMeanField_ELBO`` on the unchanged model and guide for the same draws (the noise
 recovered from Pyro's guide trace), in float64, for every supported likelihood, KL treatment and
@@ -95,13 +98,14 @@ class FlatELBO(torch.nn.Module):
     model : pyrobdl.BayesianMLP
         Gaussian prior; Gaussian, learned-precision Gaussian or categorical likelihood; relu or
         tanh (see :class:`~pyrobdl.flat.FlatLogJoint`).
-    guide : pyrobdl.guides.MeanField or pyrobdl.guides.MAP
-        A guide whose :meth:`flat_family` is not None.
+    guide : pyrobdl.guides.MeanField, MAP, Dropout or VariationalDropout
+        A guide whose :meth:`flat_family` is not None (the dropout families are computed by
+        :mod:`pyrobdl.inference.flat_dropout`; variational dropout needs no Gaussian prior).
     num_particles : int, default 1
         Monte Carlo samples per step, evaluated as one batch.
     analytic_kl : bool, default True
         Closed-form KL for the weights and biases (Monte Carlo otherwise); ignored for a
-        point-mass guide.
+        point-mass guide.  A Gaussian-rows :class:`~pyrobdl.guides.Dropout` needs it.
 
     Attributes
     ----------
