@@ -314,3 +314,28 @@ def test_score_function_guide_is_packed_but_stays_off_the_flat_path():
     for n in guide._packs["params"]:
         assert torch.all(guide._parameters[n + "_unconstrained"] == 0.25)
     assert guide.flat_family() is None and "ScoreFunction" in flat_support(model, guide)
+
+
+@pytest.mark.parametrize("log_uniform, make", [
+    (False, lambda m: Dropout(m, p=0.2, sigma=0.1)),
+    (True, lambda m: VariationalDropout(m, init_log_sigma2=-3.0)),
+    (True, lambda m: VariationalDropout(m, init_log_sigma2=-3.0, local_reparameterization=False)),
+], ids=["dropout", "variational_dropout", "variational_dropout-weights"])
+def test_flat_path_without_biases_equals_the_distribution_path(float64, log_uniform, make):
+    """A model built with bias=False (no bias sites): same seed, same draws, so the flat and the
+    distribution paths give the same loss and gradients up to float64 rounding."""
+    prior = pyrobdl.priors.LogUniform() if log_uniform else pyrobdl.priors.Gaussian(1.0)
+    model = pyrobdl.BayesianMLP(3, (4,), 1, prior=prior, bias=False)
+    guide = make(model)
+    x, y = make_data(model)
+    results = []
+    for elbo in ["direct", "distributions"]:
+        loss_fn = make_elbo(model, guide, elbo=elbo)
+        assert isinstance(loss_fn, FlatELBO) == (elbo == "direct")
+        guide.zero_grad()
+        pyro.set_rng_seed(0)
+        loss = loss_fn(x, y.unsqueeze(-1))
+        loss.backward()
+        results.append((loss.detach(), torch.cat([p.grad.reshape(-1) for p in guide.parameters()])))
+    assert abs(float(results[0][0] - results[1][0])) < TOL64 * abs(float(results[1][0]))
+    assert rel(results[0][1], results[1][1]) < TOL64
