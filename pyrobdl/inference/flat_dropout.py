@@ -346,38 +346,42 @@ def _lrt_likelihood(
     for i, ((wsl, out, inp, ssl), eps) in enumerate(zip(plan.weights, noise)):
         w_mu = mu[wsl].view(out, inp)
         w_var = var[ssl].view(out, inp)
+        h2 = h * h
         mean = h @ w_mu.t()
-        v = (h * h) @ w_var.t()
+        v = h2 @ w_var.t()
         if plan.biases[i] is not None:
             mean = mean + theta[:, plan.biases[i]].unsqueeze(1)
-        sd = v.clamp_min(_VAR_FLOOR).sqrt()
+        sd = v.clamp_min(_VAR_FLOOR).sqrt_()
         a = torch.addcmul(mean, sd, eps)  # [S, B, out]
-        saved.append((h, sd, v >= _VAR_FLOOR))  # clamp_min's derivative
+        # d sd/d v = 1/(2 sd) where v >= floor, 0 where clamp_min held it (its derivative)
+        half_inv_sd = sd.reciprocal().mul_(0.5).masked_fill_(v < _VAR_FLOOR, 0.0)
+        saved.append((h, h2, half_inv_sd))
         if i < last:
-            h = a.relu() if relu else a.tanh()
+            h = a.relu_() if relu else a.tanh_()
     ll, g, du = lj.output_log_lik_and_grad(a, idx, theta)
     if du is not None:
         g_theta[:, lj.precision_index] = du
     for i in range(last, -1, -1):
         wsl, out, inp, ssl = plan.weights[i]
-        h, sd, live = saved[i]
-        eps = noise[i]
-        gv = g * eps / (2.0 * sd)  # d/dv, [S, B, out]
-        gv = gv * live
+        h, h2, half_inv_sd = saved[i]
+        gv = (g * noise[i]).mul_(half_inv_sd)  # d/dv, [S, B, out]
         if h.dim() == 2:  # the first layer: the inputs are shared by the particles
             g_mu[wsl] += (h.t() @ g.sum(0)).t().reshape(-1)
-            g_var[ssl] += ((h * h).t() @ gv.sum(0)).t().reshape(-1)
+            g_var[ssl] += (h2.t() @ gv.sum(0)).t().reshape(-1)
         else:
             # sums over particles and data points as one [out, S*B] @ [S*B, in] product each
             g_mu[wsl] += (g.reshape(-1, out).t() @ h.reshape(-1, inp)).reshape(-1)
-            g_var[ssl] += (gv.reshape(-1, out).t() @ (h * h).reshape(-1, inp)).reshape(-1)
+            g_var[ssl] += (gv.reshape(-1, out).t() @ h2.reshape(-1, inp)).reshape(-1)
         if plan.biases[i] is not None:
             g_theta[:, plan.biases[i]] = g.sum(1)
         if i > 0:
             w_mu = mu[wsl].view(out, inp)
             w_var = var[ssl].view(out, inp)
-            gh = g @ w_mu + 2.0 * h * (gv @ w_var)  # [S, B, in]
-            g = gh * (h > 0) if relu else gh * (1.0 - h * h)
+            gh = (g @ w_mu).add_((gv @ w_var).mul_(h).mul_(2.0))  # [S, B, in]
+            if relu:
+                g = torch.ops.aten.threshold_backward(gh, h, 0.0)
+            else:
+                g = gh.mul_(1.0 - h2)
     return ll, g_mu, g_var, g_theta
 
 
