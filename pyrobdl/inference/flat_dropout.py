@@ -353,8 +353,10 @@ def _lrt_likelihood(
             mean = mean + theta[:, plan.biases[i]].unsqueeze(1)
         sd = v.clamp_min(_VAR_FLOOR).sqrt_()
         a = torch.addcmul(mean, sd, eps)  # [S, B, out]
-        # d sd/d v = 1/(2 sd) where v >= floor, 0 where clamp_min held it (its derivative)
-        half_inv_sd = sd.reciprocal().mul_(0.5).masked_fill_(v < _VAR_FLOOR, 0.0)
+        # d sd/d v = 1/(2 sd) where v > floor, 0 where clamp_min held it (its derivative; at
+        # v == floor exactly torch's clamp passes the gradient, a case of measure zero), one op
+        half_inv_sd = sd.reciprocal().mul_(0.5)
+        torch.ops.aten.threshold_backward.grad_input(half_inv_sd, v, _VAR_FLOOR, grad_input=half_inv_sd)
         saved.append((h, h2, half_inv_sd))
         if i < last:
             h = a.relu_() if relu else a.tanh_()
