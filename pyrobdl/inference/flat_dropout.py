@@ -57,7 +57,7 @@ from ..flat import FlatLogJoint
 from ..guides import variational_dropout as _vd
 from ..guides.variational_dropout import KINGMA_CONSTANTS, LOG_ALPHA_RANGE, MOLCHANOV_CONSTANTS, _EPS
 
-__all__ = ["DropoutPlan", "VDPlan", "dropout_loss_and_grads", "vd_loss_and_grads"]
+__all__ = ["DropoutPlan", "VDPlan", "dropout_loss_and_grads", "dropout_noise", "vd_loss_and_grads", "vd_noise"]
 
 _HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
 # the clamp of LocalReparameterizationMessenger: sqrt has an infinite derivative at 0
@@ -169,7 +169,38 @@ def dropout_loss_and_grads(
     analytic_kl: bool,
     beta: float,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Negative ELBO and its gradient in ``[m]`` (+ the fallback's ``[loc, rho]``); see the module notes."""
+    """Negative ELBO of a :class:`~pyrobdl.guides.Dropout` guide and its exact gradient.
+
+    Parameters
+    ----------
+    guide : pyrobdl.guides.Dropout
+    plan : DropoutPlan
+    lj : pyrobdl.flat.FlatLogJoint
+        The model's flat log joint (Gaussian prior).
+    m : torch.Tensor
+        The packed weight and bias means ``[P_w]``.
+    fallback : torch.Tensor or None
+        The learned precision's packed ``[loc, rho]`` (None without one).
+    noise : dict
+        ``{"multipliers": [S, U], "eps": [S, P]}`` (:func:`dropout_noise`).
+    idx : torch.Tensor or None
+        Minibatch indices (the likelihood is scaled by N/B).
+    analytic_kl : bool
+        Closed-form KLs (else the Monte Carlo KL with the exact mixture density; Bernoulli rows only).
+    beta : float
+        KL weight.
+
+    Returns
+    -------
+    (torch.Tensor, list of torch.Tensor)
+        The loss (mean over particles) and the gradient of each packed vector (``m``, then the
+        fallback's when present).
+
+    Raises
+    ------
+    ValueError
+        For Gaussian rows with ``analytic_kl=False``.
+    """
     sigma = guide.sigma
     mult, eps = noise["multipliers"], noise["eps"]
     s, p_w = eps.shape[0], m.shape[0]
@@ -399,7 +430,32 @@ def vd_loss_and_grads(
     analytic_kl: bool,
     beta: float,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Negative ELBO and its gradient in the packed vector ``[loc (P), spread]``; see the module notes."""
+    """Negative ELBO of a :class:`~pyrobdl.guides.VariationalDropout` guide and its exact gradient.
+
+    Parameters
+    ----------
+    guide : pyrobdl.guides.VariationalDropout
+        An unpruned guide (its ``sparse``/``ard`` variant and ``local_reparameterization``
+        flag are read here).
+    plan : VDPlan
+    lj : pyrobdl.flat.FlatLogJoint
+        The model's flat log joint, built with ``prior=False``.
+    loc, spread : torch.Tensor
+        Views of the guide's packed vector (:meth:`~pyrobdl.guides.VariationalDropout.flat_family`).
+    noise : dict
+        ``{"eps": [S, P]}`` and, with local reparameterization, ``"preactivations"`` (:func:`vd_noise`).
+    idx : torch.Tensor or None
+        Minibatch indices (the likelihood is scaled by N/B).
+    analytic_kl : bool
+        The guide's log-uniform KL approximation (else the Monte Carlo KL).
+    beta : float
+        KL weight.
+
+    Returns
+    -------
+    (torch.Tensor, list of torch.Tensor)
+        The loss (mean over particles) and ``[gradient of the packed vector]``.
+    """
     eps = noise["eps"]
     s, size = eps.shape
     ps = plan.sparse.numel()
