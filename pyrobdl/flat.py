@@ -150,12 +150,12 @@ def auto_chunk_size(num_data: int, width: int, budget: int = 400_000) -> int:
     return 2 ** round(math.log2(rows))
 
 
-def _check_supported(model: Any) -> None:
-    prior, lik = model.prior, model.likelihood
-    if not getattr(prior, "proper", True):
-        raise ValueError(f"the prior {prior!r} is improper: there is no log joint to sample or optimise")
-    if type(prior) is not _priors.Gaussian:
-        raise TypeError(f"the flat log joint supports priors.Gaussian, not {type(prior).__name__}")
+def _check_supported(model: Any, prior: bool = True) -> None:
+    """Raise for what the flat log joint does not implement; ``prior=False``: the likelihood
+    and network alone (a variational family that brings its own KL to an improper prior)."""
+    lik = model.likelihood
+    if prior:
+        _check_prior(model.prior)
     if type(lik) not in (_lik.Gaussian, _lik.GaussianLearnedPrecision, _lik.Categorical):
         raise TypeError(
             "the flat log joint supports likelihoods Gaussian, GaussianLearnedPrecision and Categorical, "
@@ -163,6 +163,13 @@ def _check_supported(model: Any) -> None:
         )
     if model.activation not in ("relu", "tanh"):
         raise TypeError(f"the flat log joint supports relu and tanh activations, not {model.activation!r}")
+
+
+def _check_prior(prior: Any) -> None:
+    if not getattr(prior, "proper", True):
+        raise ValueError(f"the prior {prior!r} is improper: there is no log joint to sample or optimise")
+    if type(prior) is not _priors.Gaussian:
+        raise TypeError(f"the flat log joint supports priors.Gaussian, not {type(prior).__name__}")
 
 
 class FlatLogJoint:
@@ -185,6 +192,11 @@ class FlatLogJoint:
         cache holds — measured on the 1x50 tanh benchmark (N = 500, one thread), 64 rows cost
         322 us per row at once, 151 in chunks of 16, 430 in chunks of 2 (per-call overhead);
         on CUDA all at once.
+    prior : bool, default True
+        False: the scaled log-likelihood alone (``value_and_grad(..., prior=False)`` and
+        :meth:`output_log_lik_and_grad`), for a model whose prior the flat path does not
+        implement (the improper log-uniform prior of variational dropout, whose guide brings its
+        own KL); the weight prior is then neither checked nor available.
 
     Attributes
     ----------
@@ -213,8 +225,11 @@ class FlatLogJoint:
     >>> logp, grad = lj.value_and_grad(theta)       # [64], [64, P]
     """
 
-    def __init__(self, model: Any, x: torch.Tensor, y: torch.Tensor, *, chunk_size: int | None = None) -> None:
-        _check_supported(model)
+    def __init__(
+        self, model: Any, x: torch.Tensor, y: torch.Tensor, *, chunk_size: int | None = None, prior: bool = True
+    ) -> None:
+        _check_supported(model, prior=prior)
+        self.has_prior = bool(prior)
         if chunk_size == "auto":
             chunk_size = None if x.device.type == "cuda" else auto_chunk_size(x.shape[0], max((*model.hidden, model.out_features)))
         elif chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
@@ -233,7 +248,7 @@ class FlatLogJoint:
         self._num_layers = len(model.hidden) + 1
         # per-site prior precision 1/s^2 and normaliser, from the prior's own hook
         self._prior = []
-        for site in model.sites:
+        for site in model.sites if prior else ():
             s = float(model.prior.layer_scale(site))
             self._prior.append((self.layout[site.name], 1.0 / (s * s), -math.prod(site.shape) * (math.log(s) + 0.5 * _LOG_2PI)))
         self._learned = isinstance(lik, _lik.GaussianLearnedPrecision)
@@ -369,6 +384,8 @@ class FlatLogJoint:
             raise ValueError(f"theta must have shape [K, {self.size}], got {list(theta.shape)}")
         k = theta.shape[0]
         self._check_idx(idx, k)
+        if prior and not self.has_prior:
+            raise ValueError("this FlatLogJoint was built with prior=False: it has no log prior")
         if self.chunk_size is not None and k > self.chunk_size:
             c = self.chunk_size
             rows = (lambda i: idx[i : i + c]) if idx is not None and idx.dim() == 2 else (lambda i: idx)
@@ -382,7 +399,14 @@ class FlatLogJoint:
 
         In unconstrained space: for a learned precision :math:`\tau = e^u` it includes the
         log-Jacobian :math:`u`, like the log joint.
+
+        Raises
+        ------
+        ValueError
+            If the object was built with ``prior=False``.
         """
+        if not self.has_prior:
+            raise ValueError("this FlatLogJoint was built with prior=False: it has no log prior")
         grad = theta * -self._prior_prec  # d/dtheta of the Gaussian prior
         logp = (theta * grad).sum(-1).mul_(0.5).add_(self._prior_const)
         if self._learned:
@@ -409,6 +433,43 @@ class FlatLogJoint:
         u = theta[:, self._prec_slice.start]
         tau = u.exp()
         return self._gamma_const + self._a * u - self._b * tau, self._a - self._b * tau
+
+    @torch.no_grad()
+    def output_log_lik_and_grad(
+        self, f: torch.Tensor, idx: torch.Tensor | None, theta: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        r"""The scaled log-likelihood of network outputs and its derivatives.
+
+        For a variational path that computes the network's outputs itself (local
+        reparameterization samples pre-activations, not weights).
+
+        Parameters
+        ----------
+        f : torch.Tensor
+            Outputs ``[K, B, out]`` for the ``B`` data points ``idx`` (all ``N`` when None).
+        idx : torch.Tensor, optional
+            Minibatch indices ``[B]``; the log-likelihood is scaled by N/B.
+        theta : torch.Tensor
+            ``[K, P]``; only the learned precision's column is read.
+
+        Returns
+        -------
+        (torch.Tensor, torch.Tensor, torch.Tensor or None)
+            The scaled log-likelihood ``[K]``, its derivative in ``f`` ``[K, B, out]``, and its
+            derivative in :math:`u = \log\tau` ``[K]`` for a learned precision (else None).
+        """
+        y = self.y if idx is None else self.y[idx]
+        scale = 1.0 if idx is None else self.num_data / idx.shape[-1]
+        ll, aux = self._log_lik(f, y, theta)
+        if self.task == "classification":
+            gf = -torch.softmax(f, -1)
+            gf.scatter_add_(-1, y.view(1, -1, 1).expand(f.shape[0], -1, 1), torch.ones_like(gf[..., :1]))
+            return scale * ll, gf.mul_(scale), None
+        r, tau, _, m = aux
+        if self._learned:
+            du = scale * (0.5 * m - 0.5 * tau * (r * r).sum((-1, -2)))
+            return scale * ll, r * (scale * tau).view(-1, 1, 1), du
+        return scale * ll, r * (scale * self._tau), None
 
     @torch.no_grad()
     def _value_and_grad(

@@ -181,7 +181,8 @@ def test_flat_support_names_the_reason():
     assert flat_support(gaussian, MAP(gaussian)) is None
     assert "ScoreFunction" in flat_support(gaussian, ScoreFunction(gaussian))
     assert "MeanField" in flat_support(gaussian, MeanField(gaussian, local_reparameterization=True))
-    assert "Dropout" in flat_support(gaussian, Dropout(gaussian, p=0.1))
+    assert flat_support(gaussian, Dropout(gaussian, p=0.1)) is None  # packed since issue 12
+    assert "Monte Carlo" in flat_support(gaussian, Dropout(gaussian, kind="gaussian"), analytic_kl=False)
     vd_model = pyrobdl.BayesianMLP(2, (3,), 1, prior=pyrobdl.priors.LogUniform())
     assert "improper" in flat_support(vd_model, MeanField(vd_model))
     with pytest.raises(ValueError, match="flat ELBO cannot run"):

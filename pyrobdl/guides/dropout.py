@@ -148,6 +148,32 @@ class Dropout(BNNGuide):
         others = {s.name for s in self.site_specs} - set(self._layout)
         # Constrained sites reuse the mean-field family rather than a copy of it.
         self.fallback = MeanField(_SiteSubset(model, others)) if others else None
+        # every weight and bias mean is a view of one vector in the flat layout's order (the
+        # layout puts the likelihood's latents, which the fallback holds, after them)
+        self._pack("params", [f"{s.key}_loc" for s in real])
+
+    def flat_family(self) -> tuple[str, dict[str, Any]] | None:
+        r"""The guide as packed vectors for pyrobdl's flat hot path.
+
+        Returns
+        -------
+        ("dropout", dict) or None
+            ``{"vector": m, "loc": m, "fallback": v or None}``: ``m`` ``[P_w]`` holds every
+            weight and bias mean (:math:`M` and :math:`m_b`) in the flat layout's order; ``v``
+            is the fallback :class:`~pyrobdl.guides.MeanField`'s packed ``[loc, rho]`` of the
+            remaining sites (a learned noise precision), which the layout puts last.  None for a
+            subclass that changes the family.
+        """
+        if type(self).variational_distributions is not Dropout.variational_distributions:
+            return None
+        m = self.packed("params")
+        fallback = None
+        if self.fallback is not None:
+            fam = self.fallback.flat_family()
+            if fam is None:
+                return None
+            fallback = fam[1]["vector"]
+        return "dropout", {"vector": m, "loc": m, "fallback": fallback}
 
     def extra_repr(self) -> str:
         return f"p={self.p}, sigma={self.sigma}, kind={self.kind!r}"

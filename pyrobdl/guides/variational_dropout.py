@@ -337,6 +337,35 @@ class VariationalDropout(BNNGuide):
                     f"{s.key}_scale",
                     PyroParam(torch.full_like(loc, 1e-2), constraint=constraints.softplus_positive),
                 )
+        # one vector [means (P), spreads]: the means (theta, a point site's loc, another site's
+        # unconstrained loc) in the flat layout's order, then log sigma^2 of the sparsified
+        # sites and the softplus-scale of the others, in the same order (point sites have none)
+        means = [f"{s.key}_theta" if s.name in self.sparse_sites else f"{s.key}_loc" for s in self.site_specs]
+        spreads = [f"{s.key}_log_sigma2" for s in self.site_specs if s.name in self.sparse_sites]
+        spreads += [f"{s.key}_scale" for s in self.site_specs if s.name not in self.sparse_sites + self.point_sites]
+        self._pack("params", means + spreads)
+
+    def flat_family(self) -> tuple[str, dict[str, Any]] | None:
+        r"""The guide as one packed vector for pyrobdl's flat hot path.
+
+        Returns
+        -------
+        ("variational_dropout", dict) or None
+            ``{"vector": v, "loc": v[:P], "spread": v[P:]}``: ``loc`` holds every site's
+            mean in the flat layout's order (:math:`\theta` of sparsified sites, the point of a
+            point-estimated bias, the unconstrained location of a learned precision); ``spread``
+            holds :math:`\log\sigma^2` of every sparsified site, then the unconstrained
+            softplus-scale of the other non-point sites, each in the layout's order.  None for
+            a pruned guide (its point masses at zero stay on the distribution path) or a
+            subclass that changes the family.
+        """
+        if type(self).variational_distributions is not VariationalDropout.variational_distributions:
+            return None
+        if any(bool((getattr(self, f"{s.key}_mask") < 1).any()) for s in self._sparse_specs()):
+            return None
+        v = self.packed("params")
+        size = sum(s.shape.numel() for s in self.site_specs)
+        return "variational_dropout", {"vector": v, "loc": v[:size], "spread": v[size:]}
 
     # ---- the distributions -------------------------------------------------------------------
     def _log_alpha(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -207,7 +207,7 @@ def make_elbo(
     if elbo == "direct":
         from .flat_elbo import FlatELBO, flat_support
 
-        if flat_support(model, guide) is None:
+        if flat_support(model, guide, kl == "analytic") is None:
             return FlatELBO(model, guide, num_particles=num_particles, analytic_kl=kl == "analytic")
         return DirectELBO(model, guide, num_particles=num_particles, analytic_kl=kl == "analytic")
     if elbo == "distributions":

@@ -36,6 +36,9 @@ A point-mass guide (:class:`~pyrobdl.guides.MAP`) has loss
 :math:`-[A(\theta) + \beta \log p(c(\theta))]`: the prior in constrained space, without the
 log-Jacobian, as Pyro's ``Delta`` guide gives.
 
+MC dropout and variational dropout (with local reparameterization) have their own closed forms
+and derivatives in :mod:`pyrobdl.inference.flat_dropout` (``tests/test_flat_dropout.py``).
+
 ``tests/test_flat_elbo.py`` holds value and gradient equal to Pyro's ``Trace_ELBO`` and
 ``TraceMeanField_ELBO`` on the unchanged model and guide for the same draws (the noise
 recovered from Pyro's guide trace), in float64, for every supported likelihood, KL treatment and
@@ -56,13 +59,15 @@ __all__ = ["FlatELBO", "flat_support"]
 _HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
 
 
-def flat_support(model: Any, guide: Any) -> str | None:
+def flat_support(model: Any, guide: Any, analytic_kl: bool = True) -> str | None:
     """Why the flat path cannot run this model and guide, or None when it can.
 
     Parameters
     ----------
     model : pyrobdl.BayesianMLP
     guide : pyrobdl.guides.BNNGuide
+    analytic_kl : bool, default True
+        The KL treatment that will be asked for.
 
     Returns
     -------
@@ -72,11 +77,14 @@ def flat_support(model: Any, guide: Any) -> str | None:
     family = getattr(guide, "flat_family", lambda: None)()
     if family is None:
         return f"{type(guide).__name__} (as configured) has no packed family for the flat path"
+    if family[0] == "dropout" and guide.kind == "gaussian" and not analytic_kl:
+        return "Dropout(kind='gaussian') with a Monte Carlo KL (its rank-one log-density) has no flat form"
     try:
-        # the checks of FlatLogJoint, without data
+        # the checks of FlatLogJoint, without data; variational dropout brings its own KL to
+        # the (improper) log-uniform prior, so only the likelihood and network are checked
         from ..flat import _check_supported
 
-        _check_supported(model)
+        _check_supported(model, prior=family[0] != "variational_dropout")
     except (TypeError, ValueError) as err:
         return str(err)
     return None
@@ -90,13 +98,14 @@ class FlatELBO(torch.nn.Module):
     model : pyrobdl.BayesianMLP
         Gaussian prior; Gaussian, learned-precision Gaussian or categorical likelihood; relu or
         tanh (see :class:`~pyrobdl.flat.FlatLogJoint`).
-    guide : pyrobdl.guides.MeanField or pyrobdl.guides.MAP
-        A guide whose :meth:`flat_family` is not None.
+    guide : pyrobdl.guides.MeanField, MAP, Dropout or VariationalDropout
+        A guide whose :meth:`flat_family` is not None (the dropout families are computed by
+        :mod:`pyrobdl.inference.flat_dropout`; variational dropout needs no Gaussian prior).
     num_particles : int, default 1
         Monte Carlo samples per step, evaluated as one batch.
     analytic_kl : bool, default True
         Closed-form KL for the weights and biases (Monte Carlo otherwise); ignored for a
-        point-mass guide.
+        point-mass guide.  A Gaussian-rows :class:`~pyrobdl.guides.Dropout` needs it.
 
     Attributes
     ----------
@@ -112,7 +121,7 @@ class FlatELBO(torch.nn.Module):
 
     def __init__(self, model: Any, guide: Any, num_particles: int = 1, analytic_kl: bool = True) -> None:
         super().__init__()
-        reason = flat_support(model, guide)
+        reason = flat_support(model, guide, analytic_kl)
         if reason is not None:
             raise ValueError(f"the flat ELBO cannot run: {reason}")
         self.model = model
@@ -125,13 +134,17 @@ class FlatELBO(torch.nn.Module):
         self._lj: FlatLogJoint | None = None
         self._data: tuple[torch.Tensor, torch.Tensor] | None = None
         self._check_layout(params)
+        self._plan: Any = None
 
     def _check_layout(self, params: dict[str, torch.Tensor]) -> None:
         from ..flat import FlatLayout
 
         layout = FlatLayout(self.model)
         names = [s.name for s in self.guide.site_specs]
-        if names != [s.name for s in layout.sites] or params["loc"].numel() != layout.size:
+        size = params["loc"].numel()
+        if params.get("fallback") is not None:  # Dropout: the fallback's [loc, rho] of the last sites
+            size += params["fallback"].numel() // 2
+        if names != [s.name for s in layout.sites] or size != layout.size:
             raise ValueError(
                 f"the guide's packed sites {names} ({params['loc'].numel()} numbers) do not match the "
                 f"model's flat layout {[s.name for s in layout.sites]} ({layout.size})"
@@ -144,17 +157,38 @@ class FlatELBO(torch.nn.Module):
         the vector returned by the last call.
         """
         _, self._params = self.guide.flat_family()
-        return [self._params["vector"]]
+        return self._vectors()
+
+    def _vectors(self) -> list[torch.Tensor]:
+        vectors = [self._params["vector"]]
+        if self._params.get("fallback") is not None:  # Dropout: the learned precision's [loc, rho]
+            vectors.append(self._params["fallback"])
+        return vectors
+
+    def _vector_owners(self) -> list[Any]:
+        """The guide module whose packed group ``"params"`` each vector of :meth:`_vectors` is."""
+        owners = [self.guide]
+        if self._params.get("fallback") is not None:
+            owners.append(self.guide.fallback)
+        return owners
 
     def _log_joint(self, x: torch.Tensor, y: torch.Tensor) -> FlatLogJoint:
         if self._lj is None or self._data[0] is not x or self._data[1] is not y:
-            self._lj = FlatLogJoint(self.model, x, y)
+            from .flat_dropout import DropoutPlan, VDPlan
+
+            vd = self.family == "variational_dropout"
+            self._lj = FlatLogJoint(self.model, x, y, prior=not vd)
             self._data = (x, y)
-            # the prior precision 1/s^2 of every coordinate (0 for a learned precision) and the
-            # constant of the closed-form Gaussian KL
-            prec = self._lj._prior_prec
-            self._prec = prec
-            self._kl_const = float((-0.5 * prec[prec > 0].log() - 0.5).sum())
+            if vd:
+                self._plan = VDPlan(self.guide, self._lj)
+            else:
+                # the prior precision 1/s^2 of every coordinate (0 for a learned precision) and
+                # the constant of the closed-form Gaussian KL
+                prec = self._lj._prior_prec
+                self._prec = prec
+                self._kl_const = float((-0.5 * prec[prec > 0].log() - 0.5).sum())
+                if self.family == "dropout":
+                    self._plan = DropoutPlan(self.guide, self._lj)
         return self._lj
 
     # ---------------------------------------------------------------------------- the step
@@ -163,9 +197,9 @@ class FlatELBO(torch.nn.Module):
         x: torch.Tensor,
         y: torch.Tensor,
         subsample: torch.Tensor | None = None,
-        noise: torch.Tensor | None = None,
+        noise: torch.Tensor | dict | None = None,
     ) -> torch.Tensor:
-        """Negative ELBO (a detached scalar); sets the ``.grad`` of the packed vector.
+        """Negative ELBO (a detached scalar); sets the ``.grad`` of the packed vectors.
 
         Parameters
         ----------
@@ -173,12 +207,16 @@ class FlatELBO(torch.nn.Module):
             Training data (the same tensors every step: the flat log joint is built once).
         subsample : torch.Tensor, optional
             Minibatch indices; the likelihood is scaled by N/B.
-        noise : torch.Tensor, optional
-            The standard-normal draws ``[S, P]`` (default: drawn here), for tests that replay
-            a Pyro trace.
+        noise : torch.Tensor or dict, optional
+            The draws of the step (default: drawn here), for tests that replay a Pyro trace:
+            the standard normals ``[S, P]``; for the dropout families a dict with ``"eps"``
+            (those), ``"multipliers"`` (MC dropout, ``[S, U]``, one per input unit of every
+            layer in order) and ``"preactivations"`` (variational dropout with local
+            reparameterization, one ``[S, B, out]`` per layer).
         """
-        loss, grad = self._loss_and_grads(x, y, subsample, noise)
-        self._params["vector"].grad = grad
+        loss, grads = self._loss_and_grads(x, y, subsample, noise)
+        for v, g in zip(self._vectors(), grads):
+            v.grad = g
         return loss
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, subsample: torch.Tensor | None = None) -> torch.Tensor:
@@ -188,17 +226,40 @@ class FlatELBO(torch.nn.Module):
         gradient computed with the value, handed to autograd); the SVI loop itself calls
         :meth:`loss_and_grad` and skips autograd altogether.
         """
-        names = self.guide._packs["params"]
-        sites = [self.guide._parameters[n + "_unconstrained"] for n in names]
+        sites = [
+            owner._parameters[n + "_unconstrained"] for owner in self._vector_owners() for n in owner._packs["params"]
+        ]
         return _FlatLoss.apply(self, x, y, subsample, *sites)
 
 
     @torch.no_grad()
     def _loss_and_grads(
-        self, x: torch.Tensor, y: torch.Tensor, subsample: torch.Tensor | None, noise: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, x: torch.Tensor, y: torch.Tensor, subsample: torch.Tensor | None, noise: torch.Tensor | dict | None
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         lj = self._log_joint(x, y)
         beta = self.kl_weight
+        if self.family in ("dropout", "variational_dropout"):
+            from . import flat_dropout as fd
+
+            s = self.num_particles
+            if self.family == "dropout":
+                if noise is None:
+                    noise = fd.dropout_noise(self.guide, self._plan, s, lj)
+                return fd.dropout_loss_and_grads(self.guide, self._plan, lj, self._params["loc"],
+                                                 self._params["fallback"], noise, subsample, self.analytic_kl, beta)
+            if noise is None:
+                batch = lj.num_data if subsample is None else subsample.shape[-1]
+                noise = fd.vd_noise(self.guide, self._plan, s, batch, lj)
+            return fd.vd_loss_and_grads(self.guide, self._plan, lj, self._params["loc"], self._params["spread"],
+                                        noise, subsample, self.analytic_kl, beta)
+        if isinstance(noise, dict):
+            noise = noise["eps"]
+        loss, grad = self._loss_and_grads_normal(lj, beta, subsample, noise)
+        return loss, [grad]
+
+    def _loss_and_grads_normal(
+        self, lj: FlatLogJoint, beta: float, subsample: torch.Tensor | None, noise: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.family == "delta":
             theta = self._params["loc"]
             ll, g = lj.value_and_grad(theta.unsqueeze(0), subsample, prior=False)
@@ -255,10 +316,10 @@ class _FlatLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, elbo: FlatELBO, x: torch.Tensor, y: torch.Tensor, subsample: Any, *sites: torch.Tensor) -> torch.Tensor:
-        elbo.parameters_to_optimize()  # the packed vector behind `sites` (repaired if needed)
-        loss, grad = elbo._loss_and_grads(x, y, subsample, None)
+        elbo.parameters_to_optimize()  # the packed vectors behind `sites` (repaired if needed)
+        loss, grads = elbo._loss_and_grads(x, y, subsample, None)
         ctx.shapes = [p.shape for p in sites]
-        ctx.save_for_backward(grad)
+        ctx.save_for_backward(torch.cat(grads))
         return loss
 
     @staticmethod
