@@ -122,6 +122,9 @@ class DropoutPlan:
                 col[sl.start : sl.stop] = -1
         col[col < 0] = units
         self.num_units = units
+        # the bias coordinates as indices (a boolean mask would sync a GPU at every step)
+        self.bias_index = (col == units).nonzero().squeeze(1).to(device)
+        self.num_bias = int((col == units).sum())
         self.col = col.to(device)
         self.keep = keep.to(device=device, dtype=dtype)
         self.alpha = alpha.to(device=device, dtype=dtype)
@@ -238,9 +241,8 @@ def dropout_loss_and_grads(
         logq = theta.new_zeros(s)
         d_m = torch.zeros_like(m)
         # biases: log N(b; m_b, sigma) = -eps^2/2 - log sigma - log(2 pi)/2, no total derivative in m_b
-        is_bias = plan.col == plan.num_units
-        e_b = eps[:, :p_w][:, is_bias]
-        logq = logq + (-0.5 * e_b * e_b).sum(-1) - int(is_bias.sum()) * (math.log(sigma) + _HALF_LOG_2PI)
+        e_b = eps[:, plan.bias_index]
+        logq = logq + (-0.5 * e_b * e_b).sum(-1) - plan.num_bias * (math.log(sigma) + _HALF_LOG_2PI)
         for sl, out, inp, p, start in plan.layers:
             w = theta[:, sl].view(s, out, inp)
             loc = m[sl].view(out, inp)
@@ -301,6 +303,9 @@ class VDPlan:
         cat = lambda parts: torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)  # noqa: E731
         self.sparse = cat(sparse).to(lj.device)
         self.other = cat(other).to(lj.device)
+        u = lj.precision_index
+        # the precision's position among the mean-field sites (a Python int: no device sync per step)
+        self.precision_position = None if u is None else [int(i) for i in cat(other)].index(u)
         position = {int(i): k for k, i in enumerate(cat(sparse))}
         self.weights, self.biases = [], []
         for i in range(lj._num_layers):
@@ -501,8 +506,7 @@ def vd_loss_and_grads(
         d_la = None
     u = lj.precision_index
     if u is not None:
-        o = int((plan.other == u).nonzero()[0])
-        kl_u, dl, ds = _precision_terms(lj, u, loc[u], rho_o[o], eps, theta)
+        kl_u, dl, ds = _precision_terms(lj, u, loc[u], rho_o[plan.precision_position], eps, theta)
         kl = kl + kl_u
     # mean over particles of the path derivatives
     grad_loc = G.mean(0)
@@ -522,7 +526,7 @@ def vd_loss_and_grads(
         grad_theta_s = grad_theta_s + torch.where(capped, d_ls * dlt2, torch.zeros_like(d_ls))
         d_ls = torch.where(capped, torch.zeros_like(d_ls), d_ls)
     grad_loc[plan.sparse] = grad_theta_s
-    grad = torch.empty_like(torch.cat([loc, spread]))
+    grad = torch.empty(size + spread.shape[0], dtype=loc.dtype, device=loc.device)
     grad[:size] = grad_loc
     grad[size : size + ps] = d_ls
     if plan.other.numel():
