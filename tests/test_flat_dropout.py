@@ -106,7 +106,7 @@ def pyro_reference(model, guide, x, y, idx, *, analytic, beta, num_particles):
                 draw["multipliers"] = torch.cat(mult).unsqueeze(0)
             else:
                 for s in layout.sites:
-                    if s.name not in guide.point_sites:
+                    if s.name not in getattr(guide, "point_sites", ()):
                         eps[s.start : s.stop] = _site_noise(guide, tr, s.name, qs[s.name])
                 if recorder is not None:
                     draw["preactivations"] = [n.unsqueeze(0) for n in recorder.noise]

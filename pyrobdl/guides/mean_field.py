@@ -97,10 +97,12 @@ class MeanField(BNNGuide):
             ``rho = v[P:]`` (:math:`\sigma = \operatorname{softplus}(\rho)`) are its views over
             every site in the model's order, in unconstrained space (a positive site's
             coordinates are its logarithm); None when the guide must go through its
-            distributions (local reparameterization, or a subclass that changes the family,
-            e.g. :class:`~pyrobdl.guides.ScoreFunction`).
+            distributions (a subclass that changes the family, e.g.
+            :class:`~pyrobdl.guides.ScoreFunction`).  With ``local_reparameterization`` the
+            flat path samples the weights' pre-activations itself
+            (:mod:`pyrobdl.inference.flat_elbo`).
         """
-        if self.local_reparameterization or type(self).variational_distributions is not MeanField.variational_distributions:
+        if type(self).variational_distributions is not MeanField.variational_distributions:
             return None
         v = self.packed("params")
         half = v.shape[0] // 2

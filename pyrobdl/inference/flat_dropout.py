@@ -317,6 +317,34 @@ class VDPlan:
         self.activation = lj._act
 
 
+class NormalLRTPlan:
+    """What :func:`_lrt_likelihood` needs of a mean-field guide with local reparameterization:
+    every layer's weight (its variances are the squared scales at the same coordinates) and bias.
+
+    Attributes are those of :class:`VDPlan`; ``weights[i][3]`` is the weight's own slice.
+    """
+
+    def __init__(self, lj: FlatLogJoint) -> None:
+        layout = lj.layout
+        self.weights, self.biases = [], []
+        for i in range(lj._num_layers):
+            w = layout[f"layers.{i}.weight"]
+            sl = slice(w.start, w.stop)
+            self.weights.append((sl, w.shape[0], w.shape[1], sl))
+            name = f"layers.{i}.bias"
+            self.biases.append(slice(layout[name].start, layout[name].stop) if name in layout else None)
+        self.activation = lj._act
+
+
+def normal_lrt_noise(plan: NormalLRTPlan, num_particles: int, batch: int, lj: FlatLogJoint) -> dict:
+    """One step's draws for a mean-field guide with local reparameterization: standard normals
+    ``[S, P]`` (the weight coordinates enter only a Monte Carlo KL) and one per pre-activation
+    and data point per layer (``[S, B, out]``)."""
+    kw = {"dtype": lj.dtype, "device": lj.device}
+    return {"eps": torch.randn(num_particles, lj.size, **kw),
+            "preactivations": [torch.randn(num_particles, batch, out, **kw) for _, out, _, _ in plan.weights]}
+
+
 def _kl_and_slope(log_alpha: torch.Tensor, approximation: str) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`~pyrobdl.guides.variational_dropout.kl_log_uniform` (the value: the one formula the
     registered KL uses too) and its derivative in log alpha, written out here."""

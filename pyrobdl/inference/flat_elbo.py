@@ -36,6 +36,12 @@ A point-mass guide (:class:`~pyrobdl.guides.MAP`) has loss
 :math:`-[A(\theta) + \beta \log p(c(\theta))]`: the prior in constrained space, without the
 log-Jacobian, as Pyro's ``Delta`` guide gives.
 
+With local reparameterization (:class:`~pyrobdl.guides.MeanField` ``local_reparameterization=True``)
+the weights reach the likelihood through sampled pre-activations, :math:`a = h\mu_W^\top + b +
+\sqrt{h^2\sigma_W^{2\top}}\odot\xi`, one standard normal :math:`\xi` per particle, data point and
+unit (the draws of :class:`~pyrobdl.poutine.LocalReparameterizationMessenger`); the weights
+sampled from :math:`\varepsilon` then enter only a Monte Carlo KL, as under Pyro's ELBOs.
+
 MC dropout and variational dropout (with local reparameterization) have their own closed forms
 and derivatives in :mod:`pyrobdl.inference.flat_dropout` (``tests/test_flat_dropout.py``).
 
@@ -189,6 +195,10 @@ class FlatELBO(torch.nn.Module):
                 self._kl_const = float((-0.5 * prec[prec > 0].log() - 0.5).sum())
                 if self.family == "dropout":
                     self._plan = DropoutPlan(self.guide, self._lj)
+                elif self.family == "normal" and self.guide.local_reparameterization:
+                    from .flat_dropout import NormalLRTPlan
+
+                    self._plan = NormalLRTPlan(self._lj)
         return self._lj
 
     # ---------------------------------------------------------------------------- the step
@@ -211,8 +221,8 @@ class FlatELBO(torch.nn.Module):
             The draws of the step (default: drawn here), for tests that replay a Pyro trace:
             the standard normals ``[S, P]``; for the dropout families a dict with ``"eps"``
             (those), ``"multipliers"`` (MC dropout, ``[S, U]``, one per input unit of every
-            layer in order) and ``"preactivations"`` (variational dropout with local
-            reparameterization, one ``[S, B, out]`` per layer).
+            layer in order) and ``"preactivations"`` (mean field and variational dropout with
+            local reparameterization, one ``[S, B, out]`` per layer).
         """
         loss, grads = self._loss_and_grads(x, y, subsample, noise)
         for v, g in zip(self._vectors(), grads):
@@ -252,13 +262,22 @@ class FlatELBO(torch.nn.Module):
                 noise = fd.vd_noise(self.guide, self._plan, s, batch, lj)
             return fd.vd_loss_and_grads(self.guide, self._plan, lj, self._params["loc"], self._params["spread"],
                                         noise, subsample, self.analytic_kl, beta)
+        if self._plan is not None:  # mean field with local reparameterization
+            from . import flat_dropout as fd
+
+            if noise is None:
+                batch = lj.num_data if subsample is None else subsample.shape[-1]
+                noise = fd.normal_lrt_noise(self._plan, self.num_particles, batch, lj)
+            loss, grad = self._loss_and_grads_normal(lj, beta, subsample, noise["eps"], noise["preactivations"])
+            return loss, [grad]
         if isinstance(noise, dict):
             noise = noise["eps"]
         loss, grad = self._loss_and_grads_normal(lj, beta, subsample, noise)
         return loss, [grad]
 
     def _loss_and_grads_normal(
-        self, lj: FlatLogJoint, beta: float, subsample: torch.Tensor | None, noise: torch.Tensor | None
+        self, lj: FlatLogJoint, beta: float, subsample: torch.Tensor | None, noise: torch.Tensor | None,
+        preactivations: list[torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.family == "delta":
             theta = self._params["loc"]
@@ -276,7 +295,12 @@ class FlatELBO(torch.nn.Module):
         eps = torch.randn(s, loc.shape[0], dtype=loc.dtype, device=loc.device) if noise is None else noise
         sigma = torch.nn.functional.softplus(rho)
         theta = torch.addcmul(loc, sigma, eps)  # [S, P]
-        ll, g = lj.value_and_grad(theta, subsample, prior=False)
+        if preactivations is None:
+            ll, g = lj.value_and_grad(theta, subsample, prior=False)
+        else:  # the weights reach the likelihood through sampled pre-activations, not theta
+            from .flat_dropout import _lrt_likelihood
+
+            ll, g_mu, g_var, g = _lrt_likelihood(self._plan, lj, loc, sigma * sigma, theta, subsample, preactivations)
         log_sigma_sum = sigma.log().sum()
         if self.analytic_kl:
             prec = self._prec
@@ -301,6 +325,10 @@ class FlatELBO(torch.nn.Module):
             g_loc, g_sigma = g[0], g[0] * eps[0]
         else:
             g_loc, g_sigma = g.mean(0), (g * eps).mean(0)
+        if preactivations is not None:  # g is zero at the weights: their terms come from the LRT
+            for wsl, _, _, _ in self._plan.weights:
+                g_loc[wsl] += g_mu[wsl] / s
+                g_sigma[wsl] += (2.0 / s) * sigma[wsl] * g_var[wsl]
         if beta != 1.0:
             d_loc.mul_(beta)
             d_sigma.mul_(beta)
