@@ -565,6 +565,29 @@ def test_map_init_runs_and_counts_its_gradients(monkeypatch):
     assert len(maps) == 1 and torch.equal(starts[1][1], before)  # "prior": the same draws, no MAP
 
 
+def test_map_start_runs_the_one_optimisation_loop_and_names_a_divergence(monkeypatch):
+    """The MAP start is the ensemble's trainer (the SVI loop): a fit whose log joint becomes
+    non-finite stops with an error naming the strategy and ``map_lr``, not a silent repair."""
+    calls = []
+    from pyrobdl.inference import ensemble
+
+    real = ensemble.train_members
+
+    def spy(lj, theta, settings, **k):
+        calls.append(settings)
+        return real(lj, theta, settings, **k)
+
+    monkeypatch.setattr(ensemble, "train_members", spy)
+    x, y = small_data()
+    with uncertified():
+        pyrobdl.fit(small_mlp(), x, y, method="chees", init_strategy="map", map_num_steps=30, map_lr=0.02, seed=1,
+                    **TINY)
+    assert [(c.num_steps, c.lr) for c in calls] == [(30, 0.02)]
+    model = pyrobdl.BayesianMLP(x.shape[1], (8,), 1, likelihood=pyrobdl.likelihoods.GaussianLearnedPrecision(1.0, 0.01))
+    with pytest.raises(FloatingPointError, match=r"init_strategy='map'.*became nan at step 1.*lower map_lr"):
+        pyrobdl.fit(model, x, y, method="chees", init_strategy="map", map_num_steps=50, map_lr=1e12, seed=0, **TINY)
+
+
 # -------------------------------------------------------------------------------- 9. CUDA
 @pytest.mark.cuda
 @pytest.mark.skipif("cuda" not in DEVICES, reason="needs a CUDA device")

@@ -341,19 +341,25 @@ def _harmonic_mean(prob: torch.Tensor) -> float:
     return float(1.0 / (1.0 / prob).mean())
 
 
-def _map_init(lj: FlatLogJoint, theta: torch.Tensor, num_steps: int, lr: float) -> torch.Tensor:
-    """K MAP estimates at once: Adam on the batched minus log joint from ``theta``."""
-    theta = theta.clone()
-    m = torch.zeros_like(theta)
-    v = torch.zeros_like(theta)
-    b1, b2 = 0.9, 0.999
-    for t in range(1, num_steps + 1):
-        _, g = lj.value_and_grad(theta)
-        g = torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0)
-        m.mul_(b1).add_(g, alpha=1 - b1)
-        v.mul_(b2).addcmul_(g, g, value=1 - b2)
-        theta.addcdiv_(m / (1 - b1**t), (v / (1 - b2**t)).sqrt_().add_(1e-8), value=lr)  # ascent
-    return theta
+def _map_init(lj: FlatLogJoint, theta: torch.Tensor, num_steps: int, lr: float, strategy: str = "map") -> torch.Tensor:
+    """K MAP estimates at once from ``theta`` ``[K, P]``: the ensemble's trainer, i.e. the one
+    optimisation loop of every SVI method (Adam, Polyak averaging over the last 10% of steps).
+
+    Raises
+    ------
+    FloatingPointError
+        When a fit's log joint becomes non-finite, naming ``init_strategy`` and what to change.
+    """
+    from .ensemble import train_members
+    from .svi import LoopSettings
+
+    try:
+        return train_members(lj, theta, LoopSettings(num_steps=num_steps, lr=lr), desc=f"chees {strategy} start").theta
+    except FloatingPointError as err:
+        raise FloatingPointError(
+            f"chees init_strategy={strategy!r}: the MAP fits of the chains' starting points diverged ({err}); "
+            "lower map_lr or use init_strategy='prior'"
+        ) from err
 
 
 def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str, Any], progress: bool) -> Posterior:
@@ -393,11 +399,10 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
         map_grads = k * options["map_num_steps"]
     elif options["init_strategy"] == "ensemble":
         # a deep ensemble of K members (nn.Linear-style starts, the ensemble's trainer), one per chain
-        from .ensemble import init_members, train_members
-        from .svi import LoopSettings
+        from .ensemble import init_members
 
-        members = init_members(model, lj, k, "linear")
-        theta = train_members(lj, members, LoopSettings(num_steps=options["map_num_steps"], lr=options["map_lr"])).theta
+        theta = _map_init(lj, init_members(model, lj, k, "linear"), options["map_num_steps"], options["map_lr"],
+                          "ensemble")
         map_grads = k * options["map_num_steps"]
     sampler = _Sampler(lj, theta, gen, float(options["divergence_threshold"]))
     target, cap = float(options["target_accept_prob"]), int(options["max_num_steps"])
