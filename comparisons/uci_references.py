@@ -79,6 +79,7 @@ def run_split(name: str, split: int, args: argparse.Namespace) -> dict:
         post = pyrobdl.fit(
             model, data.x_train, data.y_train, method="chees", num_chains=args.chains,
             num_warmup=args.warmup, num_samples=args.samples, seed=args.seed, progress=False,
+            init_strategy=args.init_strategy,
         )
     total = post.num_chains * post.num_draws
     scores = evaluate(post, data.x_test, data.y_test, num_samples=total, seed=0,
@@ -91,7 +92,8 @@ def run_split(name: str, split: int, args: argparse.Namespace) -> dict:
     return {
         "dataset": name, "split": split, "seed": args.seed,
         "num_train": int(data.x_train.shape[0]), "num_test": int(data.x_test.shape[0]),
-        "settings": {"num_chains": args.chains, "num_warmup": args.warmup, "num_samples": args.samples},
+        "settings": {"num_chains": args.chains, "num_warmup": args.warmup, "num_samples": args.samples,
+                     "init_strategy": args.init_strategy},
         "rmse": scores["rmse"], "test_ll": scores["test_ll"], "coverage_90": scores.get("coverage_90"),
         "certified_split": split_cert.passed, "failures_split": list(split_cert.failures),
         "certified_nested": nested_cert.passed, "failures_nested": list(nested_cert.failures),
@@ -135,6 +137,8 @@ def main() -> None:
     parser.add_argument("--cert-points", type=int, default=50, help="held-back test inputs for certification")
     parser.add_argument("--superchain", type=int, default=8, help="chains per superchain for nested R-hat")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--init-strategy", default="prior", choices=["prior", "map", "ensemble"],
+                        help="chees's init_strategy (map/ensemble: map_num_steps=500 Adam steps per chain)")
     parser.add_argument("--cert-prefixes", nargs="*", type=int, default=[],
                         help="also certify the first N sampling iterations of each chain, for each N")
     parser.add_argument("--out", required=True)
