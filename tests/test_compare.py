@@ -419,6 +419,41 @@ def test_futures_executor_gives_the_same_records(tmp_path):
         FuturesExecutor(object())
 
 
+from pyrobdl.compare import runner as _runner_module  # noqa: E402
+
+_REAL_COMPUTE = _runner_module.compute_cell
+_KILLER = "gap__map__split-0__seed-0"
+
+
+def _dies_on_one_cell(task):
+    """compute_cell, except that the worker process running one cell dies (as if killed)."""
+    if task.cell.id == _KILLER:
+        os._exit(1)
+    return _REAL_COMPUTE(task)
+
+
+def test_a_dead_process_pool_worker_fails_its_cells_and_they_rerun(tmp_path, monkeypatch):
+    """A worker process that dies breaks a ProcessPoolExecutor: the cell it ran and every cell
+    not finished yet are recorded failed (stage ``worker``) instead of the run crashing; the
+    finished cells are kept, and rerunning the same command completes the rest."""
+    import multiprocessing
+
+    path = write(tmp_path, TINY)
+    out = tmp_path / "out"
+    monkeypatch.setattr(_runner_module, "compute_cell", _dies_on_one_cell)
+    with cf.ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("fork")) as pool:
+        summary = run(path, out, executor=FuturesExecutor(pool))
+    assert _KILLER in summary.failed and not summary.success
+    assert len(summary.ok) + len(summary.failed) == 4
+    for cid in summary.failed:
+        rec = read_result(out / "cells" / cid / RESULT_FILE)
+        assert rec["status"] == "failed" and rec["error"]["stage"] == "worker"
+        assert "worker process of the pool died" in rec["error"]["message"]
+    monkeypatch.setattr(_runner_module, "compute_cell", _REAL_COMPUTE)
+    again = run(path, out)
+    assert set(again.ok) == set(summary.failed) and again.success
+
+
 def test_atomic_write_leaves_old_file_on_error(tmp_path):
     target = tmp_path / "f.json"
     target.write_text("old")

@@ -18,6 +18,7 @@ folder at all.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import concurrent.futures.process  # noqa: F401  (cf.process.BrokenProcessPool)
 from typing import Callable, Iterator, Protocol, Sequence, TypeVar, runtime_checkable
 
 __all__ = ["Executor", "FuturesExecutor", "InProcessExecutor"]
@@ -98,11 +99,20 @@ class FuturesExecutor:
 
     def map_unordered(self, fn: Callable[[T], R], tasks: Sequence[T],
                       on_crash: Callable[[T, str], R] | None = None) -> Iterator[R]:
-        futures = [self.pool.submit(fn, t) for t in tasks]
-        self._futures = futures
+        futures = {self.pool.submit(fn, t): t for t in tasks}
+        self._futures = list(futures)
         try:
             for fut in cf.as_completed(futures):
-                yield fut.result()
+                try:
+                    result = fut.result()
+                except cf.process.BrokenProcessPool as err:
+                    # a worker process died (killed, out of memory, a crash in native code): the
+                    # pool is unusable, so every task not finished yet ends here too
+                    if on_crash is None:
+                        raise
+                    result = on_crash(futures[fut], "a worker process of the pool died (killed, out of memory "
+                                      f"or a crash in native code) before this cell finished: {err}")
+                yield result
         finally:
             for fut in futures:
                 fut.cancel()
