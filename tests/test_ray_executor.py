@@ -4,6 +4,8 @@ data, retries of a killed worker, cells that keep failing, Ctrl-C, resume across
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import signal
@@ -42,7 +44,8 @@ def local_ray():
     """One local Ray for the module (its start-up, several seconds, is paid once)."""
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    # one logical GPU is declared (the machine need not have one) so GPU shares can be granted
+    ray.init(num_cpus=2, num_gpus=1, include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield
     ray.shutdown()
 
@@ -221,3 +224,45 @@ def test_ctrl_c_cancels_and_exits_130_then_resumes(tmp_path):
     path.write_text(textwrap.dedent(TINY))
     summary = run(path, out)
     assert summary.success and set(summary.skipped) == done and len(summary.ok) == 2
+
+
+def test_a_cells_cpu_count_sets_its_torch_threads(tmp_path, local_ray):
+    """Without --threads, a cell runs torch on as many threads as whole CPUs its method asks for."""
+    path = write(tmp_path, TINY.replace("resources = { cpu = 1 }", "resources = { cpu = 2 }"))
+    summary = run_suite(load_suite(path), tmp_path / "out", progress=False, threads=None, executor=RayExecutor(),
+                        only={"split": {"0"}})
+    assert summary.success
+    threads = {r["method"]: r["versions"]["torch_threads"] for r in scan_results(tmp_path / "out")[0]}
+    assert threads == {"map": "1", "mean_field": "2"}
+
+
+@dataclasses.dataclass(frozen=True)
+class _FakeCell:
+    resources: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class _FakeTask:
+    cell: _FakeCell
+    threads: int | None = None
+
+
+def _what_the_worker_got(task):
+    import os as _os
+
+    import ray as _ray
+
+    got = _ray.get_runtime_context().get_assigned_resources()
+    return task.cell.resources, got, _ray.get_gpu_ids(), _os.environ.get("CUDA_VISIBLE_DEVICES"), task.threads
+
+
+def test_a_gpu_share_is_granted_as_asked(local_ray):
+    """A cell asking for 0.25 of a GPU is granted exactly that share of the device, which Ray
+    names in CUDA_VISIBLE_DEVICES (so torch sees it as cuda:0); a cell asking for none gets no
+    device."""
+    tasks = [_FakeTask(_FakeCell({"cpu": 1, "gpu": 0.25})), _FakeTask(_FakeCell({"cpu": 1, "gpu": 0}))]
+    out = {asked["gpu"]: rest for asked, *rest in RayExecutor().map_unordered(_what_the_worker_got, tasks)}
+    got, ids, env, threads = out[0.25]
+    assert got.get("GPU") == 0.25 and got.get("CPU") == 1 and len(ids) == 1 and env == str(ids[0]) and threads == 1
+    got, ids, env, threads = out[0]
+    assert "GPU" not in got and ids == [] and not env
