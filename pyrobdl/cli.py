@@ -76,6 +76,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ship-data", action="store_true", help="with --executor ray: load each dataset split "
                    "here and ship it to the workers through Ray's object store (for workers that cannot see "
                    "the data directory; default: workers read it from the data directory)")
+    p.add_argument("--max-retries", type=int, metavar="N", help="with --executor ray: run a cell again up to N "
+                   "times when its worker process dies (default 2); then it is recorded failed and reruns next time")
     p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads per fit (default: "
                    "fit's 'auto': 1 for small networks, else the cores the load leaves idle)")
     p.add_argument("--rerun-invalid", action="store_true", help="set corrupt or stale result files "
@@ -161,8 +163,12 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         _err("--workers is for --executor local; with --executor ray the cluster's resources decide how many "
              "cells run at once (see the suite's per-method resources)")
         return 2
-    if args.executor != "ray" and (args.ray_address or args.ship_data):
-        _err(f"{'--ray-address' if args.ray_address else '--ship-data'} needs --executor ray")
+    if args.executor != "ray" and (args.ray_address or args.ship_data or args.max_retries is not None):
+        flag = "--ray-address" if args.ray_address else "--ship-data" if args.ship_data else "--max-retries"
+        _err(f"{flag} needs --executor ray")
+        return 2
+    if args.max_retries is not None and args.max_retries < 0:
+        _err(f"--max-retries must be >= 0, got {args.max_retries}")
         return 2
     if args.executor == "ray":
         try:
@@ -206,7 +212,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         from .compare.ray_executor import RayExecutor
 
         try:
-            executor: Any = RayExecutor(args.ray_address)
+            executor: Any = RayExecutor(args.ray_address, **({} if args.max_retries is None
+                                                               else {"max_retries": args.max_retries}))
         except (ConnectionError, RuntimeError, ValueError) as e:
             _err(f"cannot start or join Ray{' at ' + args.ray_address if args.ray_address else ''}: {e}")
             return 2

@@ -266,3 +266,29 @@ def test_a_gpu_share_is_granted_as_asked(local_ray):
     assert got.get("GPU") == 0.25 and got.get("CPU") == 1 and len(ids) == 1 and env == str(ids[0]) and threads == 1
     got, ids, env, threads = out[0]
     assert "GPU" not in got and ids == [] and not env
+
+
+def test_cli_ray_flags_are_checked_and_max_retries_reaches_the_executor(tmp_path, capsys, monkeypatch):
+    from pyrobdl.cli import main
+    from pyrobdl.compare import ray_executor
+
+    path, out = write(tmp_path), str(tmp_path / "out")
+    for flags, message in [(["--max-retries", "1"], "--max-retries needs --executor ray"),
+                           (["--ship-data"], "--ship-data needs --executor ray"),
+                           (["--executor", "ray", "--max-retries", "-1"], "--max-retries must be >= 0, got -1"),
+                           (["--executor", "ray", "--workers", "2"], "--workers is for --executor local")]:
+        assert main(["compare", str(path), "--out", out, "--no-progress", *flags]) == 2, flags
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # refused before any work
+    seen = {}
+
+    class Stop(RuntimeError):
+        pass
+
+    def fake(address=None, **kwargs):
+        seen.update(kwargs, address=address)
+        raise Stop("stop here")
+
+    monkeypatch.setattr(ray_executor, "RayExecutor", fake)
+    assert main(["compare", str(path), "--out", out, "--no-progress", "--executor", "ray", "--max-retries", "5"]) == 2
+    assert seen == {"address": None, "max_retries": 5} and "stop here" in capsys.readouterr().err
