@@ -55,15 +55,11 @@ INIT_STRATEGIES = ("prior", "map", "ensemble")
 #: How each iteration's trajectory length is jittered.
 JITTERS = ("halton", "uniform", "none")
 
-#: How the chains' acceptance probabilities of one iteration are summarised for step-size adaptation.
-ACCEPT_STATISTICS = ("harmonic_mean", "mean")
-
 CHEES_OPTIONS: dict[str, Any] = {
     "num_chains": 64,
     "num_warmup": 500,
     "num_samples": 200,
     "target_accept_prob": 0.651,
-    "accept_statistic": "harmonic_mean",
     "step_size": None,
     "init_trajectory_length": 1.0,
     "trajectory_lr": 0.05,
@@ -130,8 +126,6 @@ def _check_options(model: Any, options: Mapping[str, Any]) -> None:
         raise ValueError(f"target_accept_prob must be in (0, 1), got {p!r}")
     if not isinstance(options["adapt_mass_matrix"], bool):
         raise TypeError(f"adapt_mass_matrix must be True or False, got {options['adapt_mass_matrix']!r}")
-    if options["accept_statistic"] not in ACCEPT_STATISTICS:
-        raise ValueError(f"unknown accept_statistic {options['accept_statistic']!r}; valid: {list(ACCEPT_STATISTICS)}")
     if options["jitter"] not in JITTERS:
         raise ValueError(f"unknown jitter {options['jitter']!r}; valid: {list(JITTERS)}")
     if options["init_strategy"] not in INIT_STRATEGIES:
@@ -412,7 +406,6 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
         map_grads = k * options["map_num_steps"]
     sampler = _Sampler(lj, theta, gen, float(options["divergence_threshold"]))
     target, cap = float(options["target_accept_prob"]), int(options["max_num_steps"])
-    use_mean = options["accept_statistic"] == "mean"
     step = options["step_size"]
     search_grads = 0
     if step is None:
@@ -462,10 +455,7 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
         diverging_rows[it] = diverging
         if it < warm:
             weights = torch.where(diverging, torch.zeros_like(accept_prob), accept_prob)
-            if use_mean:  # divergent chains count with their (near-zero) acceptance
-                hm = float(accept_prob.mean())
-            else:
-                hm = _harmonic_mean(accept_prob[~diverging]) if bool((~diverging).any()) else 0.0
+            hm = _harmonic_mean(accept_prob[~diverging]) if bool((~diverging).any()) else 0.0
             step = da.update(hm, target)
             g = chees_gradient(theta0, proposal, p1, sampler.inv_mass, weights, h, trajectory_length)
             if math.isfinite(g):
