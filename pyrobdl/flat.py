@@ -31,6 +31,8 @@ object is built, never silently approximated.
 from __future__ import annotations
 
 import math
+import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -265,6 +267,47 @@ class FlatLogJoint:
         for sl, prec, _ in self._prior:
             self._prior_prec[sl.start : sl.stop] = prec
         self._prior_const = sum(const for _, _, const in self._prior)
+        self._compiled: Any = None
+
+    def compile(self, batch_size: int) -> float:
+        """Compile the full-data log joint and gradient with ``torch.compile`` for ``[K, P]`` batches.
+
+        Afterwards :meth:`value_and_grad` with ``idx=None`` and ``prior=True`` (what a sampler
+        calls) runs the compiled kernel; other calls stay eager.  The batch shapes that
+        ``batch_size`` rows produce under :attr:`chunk_size` are compiled now, so compilation
+        cost and failures happen here, not inside a run.
+
+        Parameters
+        ----------
+        batch_size : int
+            K, the number of rows the caller will pass.
+
+        Returns
+        -------
+        float
+            Seconds spent compiling.
+
+        Raises
+        ------
+        RuntimeError
+            When ``torch.compile`` fails on this machine (e.g. no C++ compiler for the CPU
+            backend); the message says to run uncompiled.
+        """
+        start = time.perf_counter()
+        c = self.chunk_size
+        sizes = {batch_size} if c is None or batch_size <= c else {c} | ({batch_size % c} - {0})
+        try:
+            with warnings.catch_warnings():
+                # torch 2.13's compiler imports its own deprecated torch.jit.script_method helpers
+                warnings.simplefilter("ignore", DeprecationWarning)
+                fn = torch.compile(lambda theta: self._value_and_grad(theta, None, True, functional=True), dynamic=False)
+                for k in sorted(sizes):
+                    fn(torch.zeros(k, self.size, dtype=self.dtype, device=self.device))  # shapes matter, not values
+        except Exception as err:  # torch's compiler raises many types (BackendCompilerFailed, ...)
+            raise RuntimeError(f"torch.compile of the flat log joint failed on this machine ({type(err).__name__}: "
+                               f"{str(err)[:300]}); run without compiling (compile=False)") from err
+        self._compiled = fn
+        return time.perf_counter() - start
 
     # ------------------------------------------------------------------------------- helpers
     @property
@@ -389,8 +432,13 @@ class FlatLogJoint:
         if self.chunk_size is not None and k > self.chunk_size:
             c = self.chunk_size
             rows = (lambda i: idx[i : i + c]) if idx is not None and idx.dim() == 2 else (lambda i: idx)
-            parts = [self._value_and_grad(theta[i : i + c], rows(i), prior) for i in range(0, k, c)]
+            parts = [self._vg(theta[i : i + c], rows(i), prior) for i in range(0, k, c)]
             return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        return self._vg(theta, idx, prior)
+
+    def _vg(self, theta: torch.Tensor, idx: torch.Tensor | None, prior: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._compiled is not None and idx is None and prior:
+            return self._compiled(theta)
         return self._value_and_grad(theta, idx, prior)
 
     @torch.no_grad()
@@ -473,7 +521,7 @@ class FlatLogJoint:
 
     @torch.no_grad()
     def _value_and_grad(
-        self, theta: torch.Tensor, idx: torch.Tensor | None, prior: bool = True
+        self, theta: torch.Tensor, idx: torch.Tensor | None, prior: bool = True, functional: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # Layout: hidden activations are [B, K, H] (data-major), so the first layer is one GEMM
         # over every chain at once, forward ([B, in+1] @ [in+1, K*H]) and backward.  A tanh layer
@@ -569,13 +617,17 @@ class FlatLogJoint:
                 gb = torch.bmm(g, w).transpose(0, 1)  # [B, K, Hin], z's layout
             if tanh:  # tanh'(a) = 4 s (1 - s)
                 # written into z's layout: following gb's (expanded) strides would cost a copy
-                g = torch.ops.aten.sigmoid_backward.grad_input(gb, z, grad_input=z)  # z is not needed again
+                if functional:  # torch.compile: out= into a strided z miscompiles (torch 2.13, measured)
+                    g = torch.ops.aten.sigmoid_backward(gb, z)
+                else:
+                    g = torch.ops.aten.sigmoid_backward.grad_input(gb, z, grad_input=z)  # z is not needed again
                 if j == 1:
                     factor = 4.0 if factor is None else 4.0 * factor
                 else:
                     g.mul_(4.0)
             else:
-                g = torch.ops.aten.threshold_backward.grad_input(gb, z, 0.0, grad_input=z)
+                g = (torch.ops.aten.threshold_backward(gb, z, 0.0) if functional
+                     else torch.ops.aten.threshold_backward.grad_input(gb, z, 0.0, grad_input=z))
             if j > 1:
                 g = g.transpose(0, 1)  # [K, B, H] for the next layer's products
         # ---- layer 0: one GEMM [in+1, B] @ [B, K*H0]

@@ -243,6 +243,43 @@ def test_chunks_equal_one_call(float64, chunk_size):
     assert value.shape == (7,) and grad.shape == (7, whole.size)
 
 
+@pytest.mark.parametrize("case", [("per_layer", "learned-2", (4, 3), "tanh"), ("scalar", "categorical-3", (5,), "relu")],
+                         ids=["tanh-learned", "relu-categorical"])
+def test_compiled_equals_eager(float64, case):
+    """FlatLogJoint.compile: the compiled kernel (every chunk shape compiled up front) gives the
+    eager value and gradient to float64 rounding; calls it does not cover (minibatches) stay eager."""
+    model = make_model(*case)
+    x, y = make_data(model)
+    eager = FlatLogJoint(model, x, y, chunk_size=3)
+    compiled = FlatLogJoint(model, x, y, chunk_size=3)
+    seconds = compiled.compile(7)  # chunks of 3, 3 and 1
+    assert seconds > 0 and compiled._compiled is not None
+    theta = eager.sample_prior(7, generator=torch.Generator().manual_seed(5))
+    for idx in (None, torch.tensor([1, 5, 9])):
+        v, g = compiled.value_and_grad(theta, idx)
+        v0, g0 = eager.value_and_grad(theta, idx)
+        assert rel_err(v, v0) < TOL64
+        for row in range(7):
+            assert grad_err(g[row], g0[row]) < TOL64
+
+
+def test_compile_failure_names_the_fix(monkeypatch):
+    model = make_model("scalar", "gaussian-1", (5,), "relu")
+    x, y = make_data(model)
+    lj = FlatLogJoint(model, x, y)
+
+    def broken(fn, **kwargs):
+        def run(*a):
+            raise OSError("no C++ compiler")
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken)
+    with pytest.raises(RuntimeError, match=r"torch.compile of the flat log joint failed.*no C\+\+ compiler.*compile=False"):
+        lj.compile(4)
+    assert lj._compiled is None  # still usable, eagerly
+    lj.value_and_grad(lj.sample_prior(2))
+
+
 def test_auto_chunk_size_is_the_documented_power_of_two():
     # the docstring's measurement: 1x50 tanh, N = 500 -> chunks of 16 (400k / (500 * 50) = 16)
     assert auto_chunk_size(500, 50) == 16

@@ -71,6 +71,7 @@ CHEES_OPTIONS: dict[str, Any] = {
     "map_lr": 1e-2,
     "divergence_threshold": 1000.0,
     "chunk_size": "auto",
+    "compile": False,
     "diagnostic_points": 50,
 }
 
@@ -124,8 +125,9 @@ def _check_options(model: Any, options: Mapping[str, Any]) -> None:
     p = options["target_accept_prob"]
     if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p < 1:
         raise ValueError(f"target_accept_prob must be in (0, 1), got {p!r}")
-    if not isinstance(options["adapt_mass_matrix"], bool):
-        raise TypeError(f"adapt_mass_matrix must be True or False, got {options['adapt_mass_matrix']!r}")
+    for name in ("adapt_mass_matrix", "compile"):
+        if not isinstance(options[name], bool):
+            raise TypeError(f"{name} must be True or False, got {options[name]!r}")
     if options["jitter"] not in JITTERS:
         raise ValueError(f"unknown jitter {options['jitter']!r}; valid: {list(JITTERS)}")
     if options["init_strategy"] not in INIT_STRATEGIES:
@@ -392,6 +394,7 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
     gen = torch.Generator(device=device)
     gen.manual_seed(int(options["seed"]))
     lj = FlatLogJoint(model, x, y, chunk_size=options["chunk_size"])
+    compile_s = lj.compile(k) if options["compile"] else 0.0
     theta = lj.sample_prior(k, generator=gen)
     map_grads = 0
     if options["init_strategy"] == "map":
@@ -533,6 +536,7 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
         "step_size_search_chain_gradients": int(search_grads),
         "map_chain_gradients": int(map_grads),
         "cpu_time_s": cpu,
+        "compile_s": float(compile_s),
         "ebfmi": [float(e) for e in _ebfmi(stats["energy"][:, warm:])],
     }
     capped_length = wanted_length > cap * step * (1 + 1e-12)
