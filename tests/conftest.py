@@ -18,6 +18,12 @@ DATA_DIR = Path(os.environ.get("PYROBDL_DATA_DIR", Path(__file__).resolve().pare
 #: Devices every device-aware test runs on: CPU always, CUDA when present.
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
+#: torch.compile's CPU backend builds C++: tests of compile=True need a compiler (.ci/run installs g++).
+needs_cxx = pytest.mark.skipif(
+    __import__("shutil").which(os.environ.get("CXX", "g++")) is None,
+    reason="torch.compile on CPU needs a C++ compiler (g++, or $CXX)",
+)
+
 
 @pytest.fixture(autouse=True)
 def _reset_pyro():

@@ -11,7 +11,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from conftest import DEVICES
+from conftest import DEVICES, needs_cxx
 
 import pyrobdl
 import pyrobdl.inference.chees as chees
@@ -256,6 +256,7 @@ def test_chunk_size_changes_only_rounding():
         assert torch.equal(auto.samples[name], whole.samples[name])
 
 
+@needs_cxx
 def test_compile_changes_only_rounding():
     """compile=True runs the same sampler on the compiled log joint: with a fixed step size the
     draws agree with the eager run to float32 rounding amplified by the dynamics, as for chunk

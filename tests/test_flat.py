@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from conftest import DEVICES
+from conftest import DEVICES, needs_cxx
 from pyro.infer.autoguide.initialization import init_to_sample
 from pyro.infer.mcmc.util import initialize_model
 
@@ -243,6 +243,7 @@ def test_chunks_equal_one_call(float64, chunk_size):
     assert value.shape == (7,) and grad.shape == (7, whole.size)
 
 
+@needs_cxx
 @pytest.mark.parametrize("case", [("per_layer", "learned-2", (4, 3), "tanh"), ("scalar", "categorical-3", (5,), "relu")],
                          ids=["tanh-learned", "relu-categorical"])
 def test_compiled_equals_eager(float64, case):
