@@ -79,7 +79,7 @@ def run_split(name: str, split: int, args: argparse.Namespace) -> dict:
         post = pyrobdl.fit(
             model, data.x_train, data.y_train, method="chees", num_chains=args.chains,
             num_warmup=args.warmup, num_samples=args.samples, seed=args.seed, progress=False,
-            init_strategy=args.init_strategy,
+            init_strategy=args.init_strategy, compile=args.compile,
         )
     total = post.num_chains * post.num_draws
     scores = evaluate(post, data.x_test, data.y_test, num_samples=total, seed=0,
@@ -93,7 +93,7 @@ def run_split(name: str, split: int, args: argparse.Namespace) -> dict:
         "dataset": name, "split": split, "seed": args.seed,
         "num_train": int(data.x_train.shape[0]), "num_test": int(data.x_test.shape[0]),
         "settings": {"num_chains": args.chains, "num_warmup": args.warmup, "num_samples": args.samples,
-                     "init_strategy": args.init_strategy},
+                     "init_strategy": args.init_strategy, "compile": args.compile},
         "rmse": scores["rmse"], "test_ll": scores["test_ll"], "coverage_90": scores.get("coverage_90"),
         "certified_split": split_cert.passed, "failures_split": list(split_cert.failures),
         "certified_nested": nested_cert.passed, "failures_nested": list(nested_cert.failures),
@@ -139,6 +139,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--init-strategy", default="prior", choices=["prior", "map", "ensemble"],
                         help="chees's init_strategy (map/ensemble: map_num_steps=500 Adam steps per chain)")
+    parser.add_argument("--compile", action="store_true",
+                        help="chees compile=True (13-26%% less CPU per chain-gradient measured at K = 8-64; needs a C++ compiler)")
     parser.add_argument("--cert-prefixes", nargs="*", type=int, default=[],
                         help="also certify the first N sampling iterations of each chain, for each N")
     parser.add_argument("--out", required=True)
