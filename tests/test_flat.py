@@ -157,6 +157,17 @@ def test_minibatch_equals_pyros_subsampled_potential(float64):
         assert grad_err(grad[row], g_ref) < TOL64
 
 
+def assert_same_calls(fast, ref, theta, idxs) -> None:
+    """``fast(theta, idx)`` and ``ref(theta, idx)`` give the same log joint and, row by row, the
+    same gradient to float64 rounding, for every ``idx`` (None: the full data)."""
+    for idx in idxs:
+        value, grad = fast(theta, idx)
+        v_ref, g_ref = ref(theta, idx)
+        assert rel_err(value, v_ref) < TOL64
+        for row in range(theta.shape[0]):
+            assert grad_err(grad[row], g_ref[row]) < TOL64
+
+
 # ------------------------------------------------------------------ 2. the autograd twin
 @pytest.mark.parametrize("hidden, activation", ARCHITECTURES, ids=lambda v: str(v))
 @pytest.mark.parametrize("likelihood", ["gaussian-2", "learned-1", "categorical-3"])
@@ -167,12 +178,7 @@ def test_gradient_equals_autograd_twin(float64, likelihood, hidden, activation):
     theta = lj.sample_prior(5, generator=torch.Generator().manual_seed(2))
     full_value = lj.value_and_grad(theta)[0]
     # idx: B = 3 of N = 10, a non-integer scale 10/3; None: the full data
-    for idx in (None, torch.tensor([4, 0, 8])):
-        value, grad = lj.value_and_grad(theta, idx)
-        v_ref, g_ref = lj.log_prob_grad_autograd(theta, idx)
-        assert rel_err(value, v_ref) < TOL64
-        for row in range(5):
-            assert grad_err(grad[row], g_ref[row]) < TOL64
+    assert_same_calls(lj.value_and_grad, lj.log_prob_grad_autograd, theta, (None, torch.tensor([4, 0, 8])))
     # one unbatched vector [P] gives the outputs without the leading dim
     v1, g1 = lj.value_and_grad(theta[2])
     assert v1.shape == () and g1.shape == (lj.size,)
@@ -227,14 +233,9 @@ def test_chunks_equal_one_call(float64, chunk_size):
     chunked = FlatLogJoint(model, x, y, chunk_size=chunk_size)
     theta = whole.sample_prior(7, generator=torch.Generator().manual_seed(4))  # 7 rows: 3 does not divide it
     value, grad = whole.value_and_grad(theta)
-    for idx in (None, torch.tensor([1, 5, 9])):
-        v, g = chunked.value_and_grad(theta, idx)
-        v0, g0 = whole.value_and_grad(theta, idx)
-        # each row goes through the same operations whatever the batch it is in; only the
-        # blocking of the batched matrix products may differ, so equal to float64 rounding
-        assert rel_err(v, v0) < TOL64
-        for row in range(7):
-            assert grad_err(g[row], g0[row]) < TOL64
+    # each row goes through the same operations whatever the batch it is in; only the blocking
+    # of the batched matrix products may differ, so equal to float64 rounding
+    assert_same_calls(chunked.value_and_grad, whole.value_and_grad, theta, (None, torch.tensor([1, 5, 9])))
     if chunk_size == "auto":
         # CPU: rows x N x widest layer near 400k numbers, a power of two (N = 12, width 4: 8192)
         assert chunked.chunk_size == auto_chunk_size(NUM_DATA, 4) == 8192
@@ -256,12 +257,7 @@ def test_compiled_equals_eager(float64, case):
     seconds = compiled.compile(7)  # chunks of 3, 3 and 1
     assert seconds > 0 and compiled._compiled is not None
     theta = eager.sample_prior(7, generator=torch.Generator().manual_seed(5))
-    for idx in (None, torch.tensor([1, 5, 9])):
-        v, g = compiled.value_and_grad(theta, idx)
-        v0, g0 = eager.value_and_grad(theta, idx)
-        assert rel_err(v, v0) < TOL64
-        for row in range(7):
-            assert grad_err(g[row], g0[row]) < TOL64
+    assert_same_calls(compiled.value_and_grad, eager.value_and_grad, theta, (None, torch.tensor([1, 5, 9])))
 
 
 def test_compile_failure_names_the_fix(monkeypatch):
