@@ -5,7 +5,6 @@ data, retries of a killed worker, cells that keep failing, Ctrl-C, resume across
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import os
 import signal

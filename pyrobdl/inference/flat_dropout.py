@@ -307,14 +307,23 @@ class VDPlan:
         # the precision's position among the mean-field sites (a Python int: no device sync per step)
         self.precision_position = None if u is None else [int(i) for i in cat(other)].index(u)
         position = {int(i): k for k, i in enumerate(cat(sparse))}
-        self.weights, self.biases = [], []
-        for i in range(lj._num_layers):
-            w = layout[f"layers.{i}.weight"]
-            k = position[w.start]
-            self.weights.append((slice(w.start, w.stop), w.shape[0], w.shape[1], slice(k, k + w.size)))
-            name = f"layers.{i}.bias"
-            self.biases.append(slice(layout[name].start, layout[name].stop) if name in layout else None)
-        self.activation = lj._act
+        # a weight's variances live in the sparse vector, at the weight's position there
+        self.weights, self.biases, self.activation = _lrt_layers(lj, lambda w: position[w.start])
+
+
+def _lrt_layers(lj: FlatLogJoint, variance_start: Any) -> tuple[list, list, str]:
+    """Per layer, what :func:`_lrt_likelihood` reads: ``(weight slice, out, in, slice of its
+    variances)`` with the variances starting at ``variance_start(weight SiteSlice)``, and the
+    bias's slice (None without biases); then the activation."""
+    layout = lj.layout
+    weights, biases = [], []
+    for i in range(lj._num_layers):
+        w = layout[f"layers.{i}.weight"]
+        k = variance_start(w)
+        weights.append((slice(w.start, w.stop), w.shape[0], w.shape[1], slice(k, k + w.size)))
+        name = f"layers.{i}.bias"
+        biases.append(slice(layout[name].start, layout[name].stop) if name in layout else None)
+    return weights, biases, lj._act
 
 
 class NormalLRTPlan:
@@ -325,15 +334,7 @@ class NormalLRTPlan:
     """
 
     def __init__(self, lj: FlatLogJoint) -> None:
-        layout = lj.layout
-        self.weights, self.biases = [], []
-        for i in range(lj._num_layers):
-            w = layout[f"layers.{i}.weight"]
-            sl = slice(w.start, w.stop)
-            self.weights.append((sl, w.shape[0], w.shape[1], sl))
-            name = f"layers.{i}.bias"
-            self.biases.append(slice(layout[name].start, layout[name].stop) if name in layout else None)
-        self.activation = lj._act
+        self.weights, self.biases, self.activation = _lrt_layers(lj, lambda w: w.start)
 
 
 def normal_lrt_noise(plan: NormalLRTPlan, num_particles: int, batch: int, lj: FlatLogJoint) -> dict:
