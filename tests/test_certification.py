@@ -33,21 +33,22 @@ def blr_model() -> pyrobdl.BayesianMLP:
                                likelihood=pyrobdl.likelihoods.Gaussian(10.0))
 
 
-def trace(chains: int, draws: int, *, seed: int = 0, energy: bool = True) -> SamplerTrace:
+def trace(chains: int, draws: int, *, seed: int = 0, energy: bool = True, superchain_size: int = 1) -> SamplerTrace:
     """A sampler trace with no divergence and iid energies (E-BFMI about 2)."""
     rng = np.random.default_rng(seed)
     shape = (chains, WARMUP + draws)
     return SamplerTrace(
         WARMUP, np.full(shape, 3, dtype=np.int64), np.full(shape, 0.1), np.full(shape, 0.8),
         np.zeros(shape, dtype=bool), None, rng.normal(size=shape),
-        energy=rng.normal(size=shape) if energy else None,
+        energy=rng.normal(size=shape) if energy else None, superchain_size=superchain_size,
     )
 
 
 def iid_posterior(chains: int = 4, draws: int = 500, *, seed: int = 0, shift: float = 0.0,
-                  model: pyrobdl.BayesianMLP | None = None) -> MCMCPosterior:
+                  model: pyrobdl.BayesianMLP | None = None, superchain_size: int = 1) -> MCMCPosterior:
     """Independent Gaussian draws of every site (so: perfectly mixed chains); chain ``c`` is
-    shifted by ``c * shift`` in every weight and bias."""
+    shifted by ``c * shift`` in every weight and bias; the trace says the chains were started in
+    superchains of ``superchain_size``."""
     model = model or blr_model()
     gen = torch.Generator().manual_seed(seed)
     offset = shift * torch.arange(chains, dtype=torch.float32)
@@ -55,7 +56,8 @@ def iid_posterior(chains: int = 4, draws: int = 500, *, seed: int = 0, shift: fl
     for s in model.sites:
         v = torch.randn(chains, draws, *s.shape, generator=gen)
         samples[s.name] = v + offset.reshape(chains, 1, *[1] * len(s.shape))
-    return MCMCPosterior(model, samples, trace(chains, draws, seed=seed), method="test", settings={}, cost=COST)
+    return MCMCPosterior(model, samples, trace(chains, draws, seed=seed, superchain_size=superchain_size),
+                         method="test", settings={}, cost=COST)
 
 
 def points(n: int = 50, features: int = 3) -> torch.Tensor:
@@ -225,14 +227,49 @@ def test_one_chain_gets_a_split_rhat():
 
 
 def test_nested_rhat_criteria():
-    post = iid_posterior(chains=32, draws=100)
+    post = iid_posterior(chains=32, draws=100, superchain_size=4)
     nested = CertificationCriteria(rhat="nested", superchain_size=4)
     cert = certify(post, points(), nested)
     assert cert.passed and cert.rhat_method == "nested", cert.failures
-    bad = certify(iid_posterior(chains=6, draws=100), points(), nested)
+    # superchain_size=None (the default): the superchains the trace says the chains started in
+    implied = certify(post, points(), CertificationCriteria(rhat="nested"))
+    assert implied.passed and implied.rhat_max == cert.rhat_max, implied.failures
+    bad = certify(iid_posterior(chains=6, draws=100, superchain_size=4), points(), nested)
     assert "nested R-hat needs at least 2 superchains of 4 chains, got 6 chain(s)" in bad.failures
-    apart = certify(iid_posterior(chains=32, draws=100, shift=0.2), points(), nested)
+    apart = certify(iid_posterior(chains=32, draws=100, shift=0.2, superchain_size=4), points(), nested)
     assert any(f.startswith("function-space nested R-hat") for f in apart.failures)
+
+
+def test_nested_rhat_of_chains_that_never_moved_is_one_plus_one_over_m():
+    """Why certify refuses nested R-hat over independently started chains: chains that stay at
+    their (independent) starting points give R_nu^2 - 1 = var(superchain means) / var(chain means),
+    about 1/M, so with M = 64 even frozen chains pass the 1.01 threshold."""
+    rng = np.random.default_rng(0)
+    starts = rng.normal(size=(64 * 64, 1, 200))  # 4,096 chains, each constant, 200 quantities
+    frozen = np.repeat(starts, 10, axis=1)
+    r = nested_rhat(frozen, 64)
+    # B_nu / W_nu is (1/M) x a ratio of variance estimates from 64 superchains: mean 1/M, relative
+    # sd sqrt(2/63) = 0.18 per quantity; the average over 200 quantities is within 4 sd / sqrt(200)
+    ratio = (r**2 - 1) * 64
+    assert abs(ratio.mean() - 1) < 4 * math.sqrt(2 / 63) / math.sqrt(200), ratio.mean()
+    assert np.median(r) < 1.01
+
+
+def test_nested_rhat_fails_for_chains_not_started_in_superchains():
+    independent = iid_posterior(chains=32, draws=100)  # the trace says: every chain from its own point
+    cert = certify(independent, points(), CertificationCriteria(rhat="nested", superchain_size=4))
+    assert not cert.passed and math.isfinite(cert.rhat_max)  # the value is still reported
+    [failure] = cert.failures
+    assert failure.startswith("nested R-hat with superchains of 4 needs chains started in superchains of 4")
+    assert "started each from its own point" in failure and "superchain_size=4" in failure
+    other = certify(iid_posterior(chains=32, draws=100, superchain_size=8), points(),
+                    CertificationCriteria(rhat="nested", superchain_size=4))
+    assert any("were started in superchains of 8" in f for f in other.failures), other.failures
+    # a posterior that does not record its starts needs the size from the criteria
+    untraced = iid_posterior(chains=32, draws=100, superchain_size=4)
+    untraced.trace = None
+    cert = certify(untraced, points(), CertificationCriteria(rhat="nested"))
+    assert any("does not record how its chains were started" in f for f in cert.failures), cert.failures
 
 
 def test_classification_is_certified_on_probabilities_not_logits():

@@ -427,6 +427,9 @@ def test_cap_during_warm_up_bounds_the_trajectory():
         ({"divergence_threshold": float("nan")}, ValueError, r"divergence_threshold"),
         ({"adapt_mass_matrix": 1}, TypeError, r"adapt_mass_matrix must be True or False"),
         ({"max_tree_depth": 5}, ValueError, r"method 'chees' does not take option\(s\) \['max_tree_depth'\]"),
+        ({"superchain_size": 0}, ValueError, r"superchain_size must be an integer >= 1"),
+        ({"superchain_size": 3}, ValueError, r"superchain_size=3 must divide num_chains=64 into at least 2 superchains"),
+        ({"num_chains": 8, "superchain_size": 8}, ValueError, r"superchain_size=8 must divide num_chains=8"),
     ],
 )
 def test_bad_options_raise_before_running(monkeypatch, options, error, match):
@@ -606,6 +609,54 @@ def test_map_start_runs_the_one_optimisation_loop_and_names_a_divergence(monkeyp
     model = pyrobdl.BayesianMLP(x.shape[1], (8,), 1, likelihood=pyrobdl.likelihoods.GaussianLearnedPrecision(1.0, 0.01))
     with pytest.raises(FloatingPointError, match=r"init_strategy='map'.*became nan at step 1.*lower map_lr"):
         pyrobdl.fit(model, x, y, method="chees", init_strategy="map", map_num_steps=50, map_lr=1e12, seed=0, **TINY)
+
+
+# ------------------------------------------------------------------------------ superchains
+def test_superchains_share_their_start_and_are_certified_with_nested_rhat(tmp_path):
+    """superchain_size=M: chains c*M .. (c+1)*M - 1 start from one prior draw (steps of 1e-9 keep
+    every chain where it started), the fit certifies with nested R-hat over those superchains, the
+    trace and a saved copy remember them, and a later ``certify`` uses the same criteria."""
+    x, y = small_data()
+    with uncertified() as record:
+        post = pyrobdl.fit(small_mlp(), x, y, method="chees", num_chains=6, superchain_size=3, num_warmup=0,
+                           num_samples=12, step_size=1e-9, init_trajectory_length=1e-9, max_num_steps=1,
+                           seed=0, progress=False)
+    w = post.samples["layers.0.weight"]  # [6, 12, 4, 2]
+    for first in (0, 3):
+        for c in (first + 1, first + 2):
+            torch.testing.assert_close(w[c], w[first], rtol=0, atol=1e-6)
+    assert (w[3] - w[0]).abs().max() > 0.1  # the two superchains start from different prior draws
+    assert post.trace.superchain_size == 3
+    cert = post.certification
+    assert cert.rhat_method == "nested" and cert.criteria.superchain_size == 3
+    assert any(f.startswith("function-space nested R-hat") for f in cert.failures), cert.failures
+    assert "nested R-hat" in str(record[0].message)
+    loaded = pyrobdl.load_posterior(post.save(tmp_path / "p"))
+    assert loaded.trace.superchain_size == 3
+    again = loaded.certify(x[:20])
+    assert again.rhat_method == "nested" and again.rhat_max == cert.rhat_max
+
+
+def test_superchains_fit_one_map_start_per_superchain(monkeypatch):
+    maps = []
+    real_map = chees._map_init
+    monkeypatch.setattr(chees, "_map_init", lambda lj, theta, *a, **k: maps.append(theta.shape) or real_map(lj, theta, *a, **k))
+    x, y = small_data()
+    with uncertified():
+        post = pyrobdl.fit(small_mlp(), x, y, method="chees", init_strategy="map", map_num_steps=40,
+                           superchain_size=2, seed=2, **TINY)
+    assert maps[0][0] == 2 and post.diagnostics["map_chain_gradients"] == 2 * 40
+    steps = int(post.trace.num_steps[0].sum())
+    assert post.cost.gradient_evaluations == 4 * (1 + steps) + post.diagnostics["step_size_search_chain_gradients"] + 2 * 40
+
+
+def test_independent_starts_are_recorded_and_certified_with_split_rhat():
+    x, y = small_data()
+    with uncertified():
+        post = pyrobdl.fit(small_mlp(), x, y, method="chees", seed=5, **TINY)
+    assert post.trace.superchain_size == 1 and post.certification.rhat_method == "split"
+    w = post.samples["layers.0.weight"]
+    assert not torch.allclose(w[0], w[1])  # (and every chain from its own prior draw)
 
 
 # -------------------------------------------------------------------------------- 9. CUDA

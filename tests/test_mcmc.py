@@ -401,8 +401,10 @@ def test_ensemble_init_starts_each_chain_at_its_member(monkeypatch):
 def test_init_strategies_run(init):
     x, y = small_data()
     with uncertified():
-        posterior = pyrobdl.fit(small_mlp(), x, y, method="hmc", num_chains=1, num_steps=3, init_strategy=init, **TINY)
+        posterior = pyrobdl.fit(small_mlp(), x, y, method="hmc", num_chains=2, num_steps=3, init_strategy=init, **TINY)
     assert posterior.num_draws == 8
+    # "median" starts both chains from one point: the trace records them as one superchain
+    assert posterior.trace.superchain_size == (2 if init == "median" else 1)
 
 
 # ------------------------------------------------------------------------- direct potential

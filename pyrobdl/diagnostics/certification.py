@@ -110,9 +110,19 @@ class CertificationCriteria:
         ``"split"``: rank-normalised split R-hat (Vehtari et al. 2021), what ``az.rhat``
         computes; ``"nested"``: nested R-hat (Margossian et al. 2024, :func:`nested_rhat`) for
         many short chains, chains ``c*superchain_size .. (c+1)*superchain_size - 1`` forming
-        superchain ``c``.
-    superchain_size : int, default 4
-        Chains per superchain (``rhat="nested"`` only).
+        superchain ``c``.  Nested R-hat is a valid check only for chains *started* in
+        superchains (each superchain's chains from one common point, e.g. ``fit(...,
+        method="chees", superchain_size=M)``): the within-superchain spread then measures what the
+        chains forgot of their start.  Over independently started chains the superchain means
+        average M independent starts, so even chains that never moved from their prior draws give
+        :math:`\hat R_\nu \approx \sqrt{1 + 1/M}` — 1.0078 with M = 64 — and would pass the
+        R-hat criterion (and chains that each stay in one mode of a multimodal posterior pass it
+        as M grows).
+        ``certify`` therefore fails the nested criterion for chains whose trace records another
+        start (:attr:`~pyrobdl.inference.mcmc.SamplerTrace.superchain_size`).
+    superchain_size : int or None, default None
+        Chains per superchain (``rhat="nested"`` only); None: the superchains the chains were
+        started in (the trace's ``superchain_size``).
 
     Raises
     ------
@@ -126,7 +136,7 @@ class CertificationCriteria:
     max_divergences: int = 0
     min_ebfmi: float = 0.2
     rhat: str = "split"
-    superchain_size: int = 4
+    superchain_size: int | None = None
 
     def __post_init__(self) -> None:
         owner = "CertificationCriteria"
@@ -137,7 +147,8 @@ class CertificationCriteria:
         _number(owner, "min_ebfmi", self.min_ebfmi, low=0.0, strict=False)
         if self.rhat not in RHAT_METHODS:
             raise ValueError(f"{owner}.rhat must be one of {list(RHAT_METHODS)}, got {self.rhat!r}")
-        _integer(owner, "superchain_size", self.superchain_size, 1)
+        if self.superchain_size is not None:
+            _integer(owner, "superchain_size", self.superchain_size, 1)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (JSON-serialisable)."""
@@ -438,6 +449,23 @@ def _chain_list(idx: np.ndarray) -> str:
     return f"chain {shown}" if idx.size == 1 else f"chains {shown}{more}"
 
 
+def _superchains(posterior: Any, criteria: CertificationCriteria) -> tuple[int | None, str]:
+    """The superchain size nested R-hat uses, and why the chains' starts do not allow it ("" if they do)."""
+    trace = getattr(posterior, "trace", None)
+    started = getattr(trace, "superchain_size", None)
+    size = criteria.superchain_size if criteria.superchain_size is not None else started
+    if size is None:
+        return None, ("nested R-hat needs the chains' superchains: the posterior does not record how its chains "
+                      "were started; give CertificationCriteria(superchain_size=M)")
+    if started is not None and started != size:
+        how = "each from its own point" if started == 1 else f"in superchains of {started}"
+        return size, (f"nested R-hat with superchains of {size} needs chains started in superchains of {size} "
+                      f"from common points, but these chains were started {how}: over independent starts "
+                      "nested R-hat cannot detect chains that stay where they started "
+                      f"(use fit(..., method=\"chees\", superchain_size={size}))")
+    return size, ""
+
+
 def certify(posterior: Any, x: Any, criteria: CertificationCriteria | None = None) -> Certification:
     r"""Check an MCMC posterior against the reference-posterior criteria, in function space.
 
@@ -465,8 +493,10 @@ def certify(posterior: Any, x: Any, criteria: CertificationCriteria | None = Non
       probabilities :math:`\mathrm{softmax}(f(x_n))_j` (classification).
     * **R-hat**: ``"split"`` is ArviZ's rank-normalised split R-hat.  With a single chain ArviZ
       gives none, so the chain is cut into two halves first (ArviZ then splits each again: the
-      four quarters are compared).  ``"nested"`` is :func:`nested_rhat`; chains that do not form
-      at least two superchains of ``superchain_size`` fail the certification.
+      four quarters are compared).  ``"nested"`` is :func:`nested_rhat` over the superchains the
+      chains were started in (``trace.superchain_size``, or ``criteria.superchain_size``);
+      chains that do not form at least two superchains, or were not started in superchains of
+      that size, fail the certification (the value is still computed when the shape allows).
     * **ESS**: ArviZ's bulk and tail ESS over all chains.
     * **Divergences**: ``trace.diverging`` after the first ``trace.num_warmup`` iterations.
     * **E-BFMI**: :func:`ebfmi` of ``trace.energy`` after warm-up, every chain (chains are
@@ -495,8 +525,12 @@ def certify(posterior: Any, x: Any, criteria: CertificationCriteria | None = Non
         conv = convergence(f)
         rhat: np.ndarray | None
         if criteria.rhat == "nested":
-            size = criteria.superchain_size
-            if c % size or c // size < 2:
+            size, start_failure = _superchains(posterior, criteria)
+            if start_failure:
+                failures.append(start_failure)
+            if size is None:
+                rhat = None
+            elif c % size or c // size < 2:
                 rhat = None
                 failures.append(f"nested R-hat needs at least 2 superchains of {size} chains, got {c} chain(s)")
             else:

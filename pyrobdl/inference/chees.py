@@ -42,6 +42,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
+from ..diagnostics.certification import CertificationCriteria, attach_certification, ebfmi
 from ..flat import FlatLogJoint
 from ..posterior import Cost, Posterior
 from .mcmc import MCMCPosterior, SamplerTrace
@@ -67,6 +68,7 @@ CHEES_OPTIONS: dict[str, Any] = {
     "max_num_steps": 1024,
     "jitter": "halton",
     "init_strategy": "prior",
+    "superchain_size": 1,
     "map_num_steps": 500,
     "map_lr": 1e-2,
     "divergence_threshold": 1000.0,
@@ -117,6 +119,13 @@ def _check_options(model: Any, options: Mapping[str, Any]) -> None:
     require_proper_prior(model, options)
     _int(options, "num_chains", 2)
     _int(options, "num_warmup", 0)
+    _int(options, "superchain_size", 1)
+    k, m = options["num_chains"], options["superchain_size"]
+    if m > 1 and (k % m or k // m < 2):
+        raise ValueError(
+            f"superchain_size={m} must divide num_chains={k} into at least 2 superchains "
+            f"(num_chains a multiple of superchain_size, num_chains >= 2 * superchain_size)"
+        )
     for name in ("num_samples", "max_num_steps", "map_num_steps", "diagnostic_points"):
         _int(options, name, 1)
     for name in ("init_trajectory_length", "trajectory_lr", "map_lr", "divergence_threshold"):
@@ -364,6 +373,23 @@ def _map_init(lj: FlatLogJoint, theta: torch.Tensor, num_steps: int, lr: float, 
         ) from err
 
 
+def _starting_points(model: Any, lj: FlatLogJoint, num: int, options: Mapping[str, Any],
+                     gen: torch.Generator) -> tuple[torch.Tensor, int]:
+    """``num`` independent starting points ``[num, P]`` by ``init_strategy``, and the chain-gradients
+    their MAP or ensemble fits cost."""
+    theta = lj.sample_prior(num, generator=gen)
+    if options["init_strategy"] == "map":
+        return _map_init(lj, theta, options["map_num_steps"], options["map_lr"]), num * options["map_num_steps"]
+    if options["init_strategy"] == "ensemble":
+        # a deep ensemble (nn.Linear-style starts, the ensemble's trainer), one member per start
+        from .ensemble import init_members
+
+        members = _map_init(lj, init_members(model, lj, num, "linear"), options["map_num_steps"], options["map_lr"],
+                            "ensemble")
+        return members, num * options["map_num_steps"]
+    return theta, 0
+
+
 def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str, Any], progress: bool) -> Posterior:
     """Run ``num_chains`` lock-step chains of jittered HMC with ChEES adaptation (``fit``'s ``run``).
 
@@ -395,18 +421,10 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
     gen.manual_seed(int(options["seed"]))
     lj = FlatLogJoint(model, x, y, chunk_size=options["chunk_size"])
     compile_s = lj.compile(k) if options["compile"] else 0.0
-    theta = lj.sample_prior(k, generator=gen)
-    map_grads = 0
-    if options["init_strategy"] == "map":
-        theta = _map_init(lj, theta, options["map_num_steps"], options["map_lr"])
-        map_grads = k * options["map_num_steps"]
-    elif options["init_strategy"] == "ensemble":
-        # a deep ensemble of K members (nn.Linear-style starts, the ensemble's trainer), one per chain
-        from .ensemble import init_members
-
-        theta = _map_init(lj, init_members(model, lj, k, "linear"), options["map_num_steps"], options["map_lr"],
-                          "ensemble")
-        map_grads = k * options["map_num_steps"]
+    theta, map_grads = _starting_points(model, lj, k // options["superchain_size"], options, gen)
+    # superchains (Margossian et al. 2024): chains c*M .. (c+1)*M - 1 share start c, so that nested
+    # R-hat can tell whether they have forgotten it
+    theta = theta.repeat_interleave(options["superchain_size"], dim=0)
     sampler = _Sampler(lj, theta, gen, float(options["divergence_threshold"]))
     target, cap = float(options["target_accept_prob"]), int(options["max_num_steps"])
     step = options["step_size"]
@@ -509,7 +527,7 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
     trace = SamplerTrace(
         num_warmup=warm, num_steps=np.tile(num_steps_row, (k, 1)), step_size=np.tile(step_row, (k, 1)),
         accept_prob=stats["accept_prob"], diverging=diverging_row, tree_depth=None, log_joint=stats["log_joint"],
-        energy=stats["energy"],
+        energy=stats["energy"], superchain_size=options["superchain_size"],
     )
     gradients = sampler.gradients + map_grads
     cost = Cost(wall_time_s=wall, gradient_evaluations=int(gradients), epochs=float(gradients),
@@ -537,7 +555,7 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
         "map_chain_gradients": int(map_grads),
         "cpu_time_s": cpu,
         "compile_s": float(compile_s),
-        "ebfmi": [float(e) for e in _ebfmi(stats["energy"][:, warm:])],
+        "ebfmi": [float(e) for e in ebfmi(stats["energy"][:, warm:])],
     }
     capped_length = wanted_length > cap * step * (1 + 1e-12)
     diagnostics["trajectory_length_wanted"] = float(wanted_length)
@@ -556,7 +574,7 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
     posterior.diagnostics = diagnostics
     posterior.adaptation = {"step_size": step_row, "trajectory_length": length_row, "num_steps": num_steps_row}
     diagnostics.update(posterior.convergence_summary(x[: options["diagnostic_points"]]))
-    _certify(posterior, x[: options["diagnostic_points"]])
+    _certify(posterior, x[: options["diagnostic_points"]], options["superchain_size"])
     return posterior
 
 
@@ -567,23 +585,11 @@ def _window_start(num_warmup: int) -> int:
     return 75
 
 
-def _ebfmi(energy: np.ndarray) -> np.ndarray:
-    r"""E-BFMI per chain: :math:`\sum_t (E_t - E_{t-1})^2 / \sum_t (E_t - \bar E)^2` (Betancourt 2016)."""
-    if energy.shape[1] < 2:
-        return np.full(energy.shape[0], np.nan)
-    num = np.square(np.diff(energy, axis=1)).sum(1)
-    den = np.square(energy - energy.mean(1, keepdims=True)).sum(1)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return num / den
-
-
-def _certify(posterior: MCMCPosterior, x_points: torch.Tensor) -> None:
-    """Attach the certification (the diagnostics module's criteria), when available."""
-    try:
-        from ..diagnostics.certification import attach_certification
-    except ImportError:  # pragma: no cover - the certification module ships with pyrobdl
-        return
-    attach_certification(posterior, x_points)
+def _certify(posterior: MCMCPosterior, x_points: torch.Tensor, superchain_size: int) -> None:
+    """Attach the certification: nested R-hat for chains started in superchains, else split R-hat."""
+    criteria = (CertificationCriteria(rhat="nested", superchain_size=superchain_size) if superchain_size > 1
+                else CertificationCriteria())
+    attach_certification(posterior, x_points, criteria)
 
 
 register_method(Method(

@@ -101,6 +101,10 @@ class SamplerTrace:
         iteration) plus the kinetic energy :math:`\tfrac12 r^\top M^{-1} r` of the momentum just
         drawn, exactly Pyro's ``energy_current``.  What E-BFMI and ``az.plot_energy`` read;
         None when not recorded.
+    superchain_size : int, default 1
+        How the chains were started: chains ``c*M .. (c+1)*M - 1`` (``M = superchain_size``)
+        from one common point, different superchains from independent points (what nested
+        R-hat needs, :func:`pyrobdl.diagnostics.nested_rhat`); 1: every chain from its own point.
     """
 
     num_warmup: int
@@ -111,6 +115,7 @@ class SamplerTrace:
     tree_depth: np.ndarray | None
     log_joint: np.ndarray
     energy: np.ndarray | None = None
+    superchain_size: int = 1
 
 
 class _Counted:
@@ -430,7 +435,9 @@ def run_mcmc(
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-    trace = _trace(rows, options["num_warmup"], method)
+    # init "median" starts every chain from the same point: one superchain
+    trace = _trace(rows, options["num_warmup"], method,
+                   options["num_chains"] if options["init_strategy"] == "median" else 1)
     capped = np.array([[r[7] for r in chain] for chain in rows], dtype=bool) if method == "hmc" else None
     leapfrog = int(trace.num_steps.sum())
     cost = Cost(wall_time_s=wall, gradient_evaluations=leapfrog + map_grads, epochs=float(leapfrog + map_grads),
@@ -461,13 +468,13 @@ def _make_kernel(method: str, potential: Callable, transforms: Mapping[str, Any]
     return _HMC(trajectory_length=options["trajectory_length"], **hmc)
 
 
-def _trace(rows: list[list[tuple]], num_warmup: int, method: str) -> SamplerTrace:
+def _trace(rows: list[list[tuple]], num_warmup: int, method: str, superchain_size: int) -> SamplerTrace:
     # a row: (t, steps, step size, accept, diverged, log joint, energy, capped)
     arr = np.array([[r[1:7] for r in chain] for chain in rows], dtype=float)  # [C, T, 6]
     steps = arr[..., 0].astype(np.int64)
     depth = np.vectorize(int.bit_length, otypes=[np.int64])(steps) if method == "nuts" else None
     return SamplerTrace(num_warmup, steps, arr[..., 1], arr[..., 2], arr[..., 3].astype(bool), depth, arr[..., 4],
-                        energy=arr[..., 5])
+                        energy=arr[..., 5], superchain_size=superchain_size)
 
 
 def _sampler_summary(trace: SamplerTrace, accept_rates: list[float], other_grads: list[int], map_grads: int,
@@ -605,6 +612,7 @@ class MCMCPosterior(Posterior):
         if self.trace is not None:
             fields = {f.name: getattr(self.trace, f.name) for f in dataclasses.fields(self.trace)}
             extra["trace"] = {"num_warmup": int(fields.pop("num_warmup")),
+                              "superchain_size": int(fields.pop("superchain_size")),
                               "present": sorted(k for k, v in fields.items() if v is not None)}
             tensors.update({f"trace/{k}": torch.from_numpy(np.ascontiguousarray(v))
                             for k, v in fields.items() if v is not None})
@@ -616,9 +624,10 @@ class MCMCPosterior(Posterior):
         samples = {k.removeprefix("samples/"): v for k, v in tensors.items() if k.startswith("samples/")}
         trace = None
         if extra.get("trace") is not None:
-            names = [f.name for f in dataclasses.fields(SamplerTrace) if f.name != "num_warmup"]
+            names = [f.name for f in dataclasses.fields(SamplerTrace) if f.name not in ("num_warmup", "superchain_size")]
             trace = SamplerTrace(extra["trace"]["num_warmup"], **{
-                k: tensors[f"trace/{k}"].cpu().numpy() if k in extra["trace"]["present"] else None for k in names})
+                k: tensors[f"trace/{k}"].cpu().numpy() if k in extra["trace"]["present"] else None for k in names},
+                superchain_size=int(extra["trace"].get("superchain_size", 1)))
         return cls(model, samples, trace, **common)
 
     def _chains(self, num_samples: int) -> dict[str, torch.Tensor]:
@@ -702,7 +711,8 @@ class MCMCPosterior(Posterior):
         x : array-like
             Inputs ``[N, in_features]`` at which the function draws are diagnosed.
         criteria : pyrobdl.diagnostics.CertificationCriteria, optional
-            Default: posteriordb's thresholds with split R-hat.
+            Default: the criteria of the fit's own certification (nested R-hat for ``chees``
+            chains started in superchains), else posteriordb's thresholds with split R-hat.
 
         Returns
         -------
@@ -711,6 +721,8 @@ class MCMCPosterior(Posterior):
         """
         from ..diagnostics.certification import certify
 
+        if criteria is None and getattr(self, "certification", None) is not None:
+            criteria = self.certification.criteria
         self.certification = certify(self, x, criteria)
         return self.certification
 
