@@ -48,7 +48,7 @@ def run(m: int, seed: int, problem, args) -> dict:
                            seed=seed, progress=False)
     cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
     split = certify(post, x_cert, CertificationCriteria())
-    own = certify(post, x_cert)  # the fit's criteria: nested over the superchains when m > 1
+    own = post.certify(x_cert)  # the fit's criteria: nested over the superchains when m > 1
     group = m if m > 1 else args.group
     f = post.function_draws(x_cert.to(post.model.device)).double().cpu().numpy()
     nested = float(np.max(nested_rhat(f, group)))
