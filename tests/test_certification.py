@@ -234,6 +234,8 @@ def test_nested_rhat_criteria():
     # superchain_size=None (the default): the superchains the trace says the chains started in
     implied = certify(post, points(), CertificationCriteria(rhat="nested"))
     assert implied.passed and implied.rhat_max == cert.rhat_max, implied.failures
+    assert implied.criteria.superchain_size == 4  # the record names the superchains it used
+    assert "nested (superchains of 4) R-hat" in implied.summary()
     bad = certify(iid_posterior(chains=6, draws=100, superchain_size=4), points(), nested)
     assert "nested R-hat needs at least 2 superchains of 4 chains, got 6 chain(s)" in bad.failures
     apart = certify(iid_posterior(chains=32, draws=100, shift=0.2, superchain_size=4), points(), nested)

@@ -222,8 +222,9 @@ class Certification:
         """One line: ``"certified (...)"`` or ``"not certified: failure; failure"``."""
         if not self.passed:
             return "not certified: " + "; ".join(self.failures)
-        parts = [f"function-space {'nested ' if self.rhat_method == 'nested' else ''}R-hat "
-                 f"{_fmt(self.rhat_max, 3)} ≤ {self.criteria.max_rhat:g}",
+        nested = (f"nested (superchains of {self.criteria.superchain_size}) "
+                  if self.rhat_method == "nested" else "")
+        parts = [f"function-space {nested}R-hat {_fmt(self.rhat_max, 3)} ≤ {self.criteria.max_rhat:g}",
                  f"bulk ESS {_fmt(self.ess_bulk_min, 0)}", f"tail ESS {_fmt(self.ess_tail_min, 0)}",
                  f"{self.divergences} divergences", f"E-BFMI {_fmt(self.ebfmi_min, 2)}"]
         return (f"certified ({', '.join(parts)}; {self.num_chains} chains x {self.num_draws} draws "
@@ -528,6 +529,8 @@ def certify(posterior: Any, x: Any, criteria: CertificationCriteria | None = Non
             size, start_failure = _superchains(posterior, criteria)
             if start_failure:
                 failures.append(start_failure)
+            if size is not None:  # the record says which superchains were used
+                criteria = dataclasses.replace(criteria, superchain_size=size)
             if size is None:
                 rhat = None
             elif c % size or c // size < 2:
