@@ -206,7 +206,10 @@ def test_ctrl_c_cancels_and_exits_130_then_resumes(tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "pyrobdl.cli", "compare", str(path), "--out", str(out), "--executor", "ray",
            "--threads", "1", "--no-progress"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    # SIGINT at its default in the child: a shell that starts the tests in the background (`cmd &`)
+    # ignores SIGINT, the child inherits that and Python then never raises KeyboardInterrupt
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 120
     while time.time() < deadline and len(list((out / "cells").glob(f"gap__map__*/{RESULT_FILE}"))) < 2:
         time.sleep(0.5)
@@ -216,6 +219,7 @@ def test_ctrl_c_cancels_and_exits_130_then_resumes(tmp_path):
         stdout, stderr = proc.communicate(timeout=90)
     except subprocess.TimeoutExpired:
         proc.kill()
+        proc.communicate()  # reap it and close its pipes (else their warnings land in a later test)
         raise
     assert proc.returncode == 130, stderr[-2000:]
     assert "interrupted; finished cells are kept, rerun the same command to resume" in stderr
