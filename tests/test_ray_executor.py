@@ -198,8 +198,8 @@ def test_resources_do_not_change_a_cells_identity(tmp_path):
 
 def test_ctrl_c_cancels_and_exits_130_then_resumes(tmp_path):
     # A real process with its own local Ray: SIGINT while cells run.
-    # slow enough on any machine: 200,000 steps finished before the interrupt on a fast CPU (measured:
-    # exit code 0); the interrupt cancels the cells with force, so they never run that long
+    # slow enough that the interrupt always comes first, however fast the CPU (~2 s of 200,000 steps
+    # would race it); the interrupt cancels the cells with force, so they never run that long
     slow = TINY.replace("[methods.mean_field]\nnum_steps = 30", "[methods.mean_field]\nnum_steps = 5000000")
     path = write(tmp_path, slow)
     out = tmp_path / "out"
