@@ -574,7 +574,7 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
     posterior.diagnostics = diagnostics
     posterior.adaptation = {"step_size": step_row, "trajectory_length": length_row, "num_steps": num_steps_row}
     diagnostics.update(posterior.convergence_summary(x[: options["diagnostic_points"]]))
-    _certify(posterior, x[: options["diagnostic_points"]], options["superchain_size"])
+    _certify(posterior, x[: options["diagnostic_points"]])
     return posterior
 
 
@@ -585,11 +585,11 @@ def _window_start(num_warmup: int) -> int:
     return 75
 
 
-def _certify(posterior: MCMCPosterior, x_points: torch.Tensor, superchain_size: int) -> None:
-    """Attach the certification: nested R-hat for chains started in superchains, else split R-hat."""
-    criteria = (CertificationCriteria(rhat="nested", superchain_size=superchain_size) if superchain_size > 1
-                else CertificationCriteria())
-    attach_certification(posterior, x_points, criteria)
+def _certify(posterior: MCMCPosterior, x_points: torch.Tensor) -> None:
+    """Attach the certification: nested R-hat over the superchains the trace records, when the
+    chains were started in superchains, else split R-hat."""
+    nested = posterior.trace.superchain_size > 1
+    attach_certification(posterior, x_points, CertificationCriteria(rhat="nested") if nested else None)
 
 
 register_method(Method(
