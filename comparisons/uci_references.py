@@ -82,6 +82,7 @@ def run_split(name: str, split: int, args: argparse.Namespace) -> dict:
             num_warmup=args.warmup, num_samples=args.samples, seed=args.seed, progress=False,
             init_strategy=args.init_strategy, compile=args.compile,
             superchain_size=args.superchain if args.superchain_starts else 1, chunk_size=args.chunk_size,
+            mass_matrix=args.mass_matrix,
         )
     total = post.num_chains * post.num_draws
     scores = evaluate(post, data.x_test, data.y_test, num_samples=total, seed=0,
@@ -96,7 +97,8 @@ def run_split(name: str, split: int, args: argparse.Namespace) -> dict:
         "num_train": int(data.x_train.shape[0]), "num_test": int(data.x_test.shape[0]),
         "settings": {"num_chains": args.chains, "num_warmup": args.warmup, "num_samples": args.samples,
                      "init_strategy": args.init_strategy, "compile": args.compile,
-                     "superchain_size": post.trace.superchain_size, "chunk_size": args.chunk_size},
+                     "superchain_size": post.trace.superchain_size, "chunk_size": args.chunk_size,
+                     "mass_matrix": args.mass_matrix},
         "rmse": scores["rmse"], "test_ll": scores["test_ll"], "coverage_90": scores.get("coverage_90"),
         "certified_split": split_cert.passed, "failures_split": list(split_cert.failures),
         "certified_nested": nested_cert.passed, "failures_nested": list(nested_cert.failures),
@@ -154,6 +156,9 @@ def main() -> None:
     parser.add_argument("--chunk-size", type=lambda v: None if v == "none" else (v if v == "auto" else int(v)),
                         default="auto", help="chees chunk_size: 'auto' (default), 'none' (all chains in one call) "
                         "or an integer; comparisons/benchmarks/flat_chunk_size.py measures which is fastest here")
+    parser.add_argument("--mass-matrix", choices=["cross-chain", "within-chain", "per-chain"], default="cross-chain",
+                        help="chees mass_matrix: how each warm-up window estimates the diagonal mass matrix "
+                        "(docs/methods/chees.md)")
     parser.add_argument("--cert-prefixes", nargs="*", type=int, default=[],
                         help="also certify the first N sampling iterations of each chain, for each N")
     parser.add_argument("--out", required=True)

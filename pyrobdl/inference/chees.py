@@ -22,8 +22,11 @@ the tuning parameters is what makes the cross-chain adaptation of Hoffman, Radul
 * **jitter**: iteration t uses :math:`\lceil h_t T/\epsilon\rceil` leapfrog steps, where
   :math:`h_t \in (0, 1)` is the base-2 Halton (van der Corput) sequence — even coverage of
   trajectory lengths with less variance than uniform draws (the paper's choice);
-* **diagonal mass matrix** from the variance across chains *and* iterations of Stan-style
-  warm-up windows (an initial fast buffer, doubling slow windows, a final fast buffer);
+* **diagonal mass matrix** re-estimated at the end of Stan-style warm-up windows (an initial
+  fast buffer, doubling slow windows, a final fast buffer), by default from the variance across
+  chains *and* iterations of the window (``mass_matrix="cross-chain"``); or from the chains'
+  own variances over the window, pooled into one shared matrix (``"within-chain"``) or kept one
+  per chain (``"per-chain"``, the one tuning parameter the chains then do not share);
 * **divergences** per chain: a non-finite energy or an energy error above
   ``divergence_threshold``.
 
@@ -49,12 +52,14 @@ from .mcmc import MCMCPosterior, SamplerTrace
 from .registry import Method, register_method, require_proper_prior
 from .svi import _peak_memory
 
-__all__ = ["CHEES_OPTIONS", "INIT_STRATEGIES", "JITTERS", "halton", "run_chees"]
+__all__ = ["CHEES_OPTIONS", "INIT_STRATEGIES", "JITTERS", "MASS_MATRICES", "WindowVariance", "halton", "run_chees"]
 
 #: Starting points of the chains.
 INIT_STRATEGIES = ("prior", "map", "ensemble")
 #: How each iteration's trajectory length is jittered.
 JITTERS = ("halton", "uniform", "none")
+#: How the diagonal mass matrix is estimated from a warm-up window (:class:`WindowVariance`).
+MASS_MATRICES = ("cross-chain", "within-chain", "per-chain")
 
 CHEES_OPTIONS: dict[str, Any] = {
     "num_chains": 64,
@@ -65,6 +70,7 @@ CHEES_OPTIONS: dict[str, Any] = {
     "init_trajectory_length": 1.0,
     "trajectory_lr": 0.05,
     "adapt_mass_matrix": True,
+    "mass_matrix": "cross-chain",
     "max_num_steps": 1024,
     "jitter": "halton",
     "init_strategy": "prior",
@@ -139,6 +145,8 @@ def _check_options(model: Any, options: Mapping[str, Any]) -> None:
             raise TypeError(f"{name} must be True or False, got {options[name]!r}")
     if options["jitter"] not in JITTERS:
         raise ValueError(f"unknown jitter {options['jitter']!r}; valid: {list(JITTERS)}")
+    if options["mass_matrix"] not in MASS_MATRICES:
+        raise ValueError(f"unknown mass_matrix {options['mass_matrix']!r}; valid: {list(MASS_MATRICES)}")
     if options["init_strategy"] not in INIT_STRATEGIES:
         raise ValueError(f"unknown init_strategy {options['init_strategy']!r}; valid: {list(INIT_STRATEGIES)}")
     if options["chunk_size"] not in (None, "auto"):
@@ -174,6 +182,71 @@ def warmup_windows(num_warmup: int) -> list[int]:
         ends.append(end)
         start, size = end, 2 * size
     return ends
+
+
+class WindowVariance:
+    r"""The diagonal of the inverse mass matrix, estimated from the states of one warm-up window.
+
+    Parameters
+    ----------
+    kind : {"cross-chain", "within-chain", "per-chain"}
+        * ``"cross-chain"``: the variance of every parameter over all chains *and* all iterations
+          of the window, one ``[P]`` vector.  When the chains sit in different modes (a BNN's
+          hidden units permuted, or different functions) this includes the spread *between*
+          the modes, so each chain's metric is wider than the posterior it moves in;
+        * ``"within-chain"``: each chain's variance over the window's iterations, averaged over
+          the chains (the pooled within-chain variance, the W of R-hat), one ``[P]`` vector;
+        * ``"per-chain"``: each chain's own variance over the window, ``[K, P]`` — Stan's
+          single-chain estimate, K times.
+
+    Every estimate is regularised as Stan regularises its own,
+    :math:`\frac{n}{n+5}\hat\sigma^2 + 10^{-3}\frac{5}{n+5}`, with n the number of states
+    behind one estimate (K times the window's length for ``"cross-chain"`` and
+    ``"within-chain"``, the window's length for ``"per-chain"``).  Sums are accumulated in
+    float64 about the window's first state, so a variance tiny beside a mean does not cancel.
+    """
+
+    def __init__(self, kind: str) -> None:
+        if kind not in MASS_MATRICES:
+            raise ValueError(f"unknown mass_matrix {kind!r}; valid: {list(MASS_MATRICES)}")
+        self.kind = kind
+        self.shift = self.total = self.total_sq = None
+        self.n = 0
+
+    def add(self, theta: torch.Tensor) -> None:
+        """Record the chains' states ``[K, P]`` of one iteration."""
+        t = theta.double()
+        if self.shift is None:
+            self.shift = t.clone() if self.kind != "cross-chain" else t.mean(0)
+            self.total = torch.zeros_like(t)
+            self.total_sq = torch.zeros_like(t)
+        d = t - self.shift
+        self.total += d
+        self.total_sq += d * d
+        self.n += 1
+
+    def variance(self) -> torch.Tensor:
+        """The regularised variance: ``[P]``, or ``[K, P]`` for ``"per-chain"``.
+
+        Raises
+        ------
+        RuntimeError
+            If fewer than two iterations were recorded.
+        """
+        if self.n < 2:
+            raise RuntimeError(f"a warm-up window needs at least 2 iterations, got {self.n}")
+        k = self.total.shape[0]
+        if self.kind == "cross-chain":
+            n = self.n * k
+            mean = self.total.sum(0) / n
+            var = (self.total_sq.sum(0) / n - mean * mean).clamp_min(0.0) * n / (n - 1)
+        else:
+            mean = self.total / self.n
+            var = (self.total_sq / self.n - mean * mean).clamp_min(0.0) * self.n / (self.n - 1)
+            n = self.n
+            if self.kind == "within-chain":
+                var, n = var.mean(0), self.n * k
+        return (n / (n + 5.0)) * var + 1e-3 * (5.0 / (n + 5.0))
 
 
 @dataclass
@@ -247,7 +320,10 @@ def chees_gradient(theta0: torch.Tensor, proposal: torch.Tensor, momentum: torch
     momentum : torch.Tensor
         Momenta at the end points, ``[K, P]``.
     inv_mass : torch.Tensor
-        Diagonal inverse mass matrix, ``[P]``.
+        Diagonal inverse mass matrix, ``[P]``, or one per chain, ``[K, P]``; then the criterion
+        is computed in the coordinates that the chains' mean metric whitens (the cross-chain
+        means need one coordinate system) with each chain's own velocity
+        :math:`M_k^{-1}p'_k`.
     weights : torch.Tensor
         Acceptance probabilities, 0 for divergent or non-finite chains, ``[K]``.
     jitter, trajectory_length : float
@@ -261,11 +337,11 @@ def chees_gradient(theta0: torch.Tensor, proposal: torch.Tensor, momentum: torch
     ok = (weights > 0) & torch.isfinite(proposal).all(-1) & torch.isfinite(momentum).all(-1)
     if not bool(ok.any()):
         return 0.0
-    root = inv_mass.sqrt()
+    root = (inv_mass if inv_mass.dim() == 1 else inv_mass.mean(0)).sqrt()
     w = torch.where(ok, weights, torch.zeros_like(weights))
     zero = torch.zeros_like(proposal)
     z1 = torch.where(ok.unsqueeze(-1), proposal / root, zero)
-    vel = torch.where(ok.unsqueeze(-1), momentum * root, zero)
+    vel = torch.where(ok.unsqueeze(-1), momentum * inv_mass / root, zero)
     c1 = z1 - (w.unsqueeze(-1) * z1).sum(0) / w.sum()
     z0 = theta0 / root
     c0 = z0 - z0.mean(0)
@@ -439,8 +515,7 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
     traj.log_t_avg = traj.log_t
     windows = set(warmup_windows(warm)) if options["adapt_mass_matrix"] else set()
     window_start = _window_start(warm) if windows else 0
-    acc_sum = acc_sq = None
-    acc_n = 0
+    window = WindowVariance(options["mass_matrix"])
 
     total = warm + draws
     # per-iteration statistics stay on the device until the end (no host round trip per iteration
@@ -483,18 +558,10 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
                 traj.update(g)
             trajectory_length = min(max(math.exp(traj.log_t_avg), step), cap * step)
             if windows and it >= window_start:
-                t64 = sampler.theta.double()
-                acc_sum = t64.sum(0) if acc_sum is None else acc_sum + t64.sum(0)
-                acc_sq = (t64 * t64).sum(0) if acc_sq is None else acc_sq + (t64 * t64).sum(0)
-                acc_n += k
+                window.add(sampler.theta)
             if (it + 1) in windows:
-                mean = acc_sum / acc_n
-                var = (acc_sq / acc_n - mean * mean).clamp_min(0.0) * acc_n / max(acc_n - 1, 1)
-                # Stan's regularisation towards 1e-3 (negligible with K chains x a window)
-                var = (acc_n / (acc_n + 5.0)) * var + 1e-3 * (5.0 / (acc_n + 5.0))
-                sampler.inv_mass = var.to(x.dtype)
-                acc_sum = acc_sq = None
-                acc_n = 0
+                sampler.inv_mass = window.variance().to(x.dtype)
+                window = WindowVariance(options["mass_matrix"])
                 window_start = it + 1
                 before = sampler.gradients
                 step = sampler.find_step_size(step)
