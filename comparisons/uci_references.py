@@ -37,6 +37,7 @@ import torch
 import pyrobdl
 from pyrobdl import datasets, likelihoods, priors
 from pyrobdl.diagnostics import CertificationCriteria, certify, evaluate
+from pyrobdl.inference.chees import MASS_MATRICES
 from pyrobdl.inference.mcmc import MCMCPosterior
 
 #: The suite's model for the UCI benchmark (comparisons/uci.toml).
@@ -156,7 +157,7 @@ def main() -> None:
     parser.add_argument("--chunk-size", type=lambda v: None if v == "none" else (v if v == "auto" else int(v)),
                         default="auto", help="chees chunk_size: 'auto' (default), 'none' (all chains in one call) "
                         "or an integer; comparisons/benchmarks/flat_chunk_size.py measures which is fastest here")
-    parser.add_argument("--mass-matrix", choices=["cross-chain", "within-chain", "per-chain"], default="cross-chain",
+    parser.add_argument("--mass-matrix", choices=MASS_MATRICES, default="cross-chain",
                         help="chees mass_matrix: how each warm-up window estimates the diagonal mass matrix "
                         "(docs/methods/chees.md)")
     parser.add_argument("--cert-prefixes", nargs="*", type=int, default=[],
