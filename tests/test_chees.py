@@ -352,6 +352,10 @@ def test_contract_and_gradient_accounting(monkeypatch):
     pred = posterior.predict(x_test, num_samples=12)
     assert pred.samples.shape == (12, 7, 1) and pred.mean.shape == (7, 1) and torch.isfinite(pred.variance).all()
     assert posterior.function_draws(x_test).shape == (k, n, 7, 1)
+    # an array is taken as a tensor would be; a wrong shape is named before any work
+    torch.testing.assert_close(posterior.function_draws(x_test.numpy()), posterior.function_draws(x_test))
+    with pytest.raises(ValueError, match="x has 3 features but the model has in_features=2"):
+        posterior.function_draws(torch.randn(7, 3))
     idata = posterior.to_inference_data(x, y)
     assert idata.posterior.sizes["chain"] == k and idata.posterior.sizes["draw"] == n
     np.testing.assert_array_equal(idata.sample_stats["energy"].values, tr.energy[:, w:])
@@ -801,6 +805,9 @@ def test_cuda_matches_cpu_in_distribution(blr):
         cpu = pyrobdl.fit(blr_model(), blr.x_train, blr.y_train, device="cpu", **kw)
         gpu = pyrobdl.fit(blr_model(), blr.x_train, blr.y_train, device="cuda", **kw)
     assert gpu.samples["layers.0.weight"].device.type == "cuda" and gpu.cost.device.startswith("cuda")
+    # function draws at inputs on the CPU (as a user holds them): moved to the draws' device
+    f_gpu = gpu.function_draws(blr.x_train[:5])
+    assert f_gpu.device.type == "cuda" and f_gpu.shape == (32, 200, 5, 1)
     a, b = blr_draws(cpu), blr_draws(gpu)
     se = [d.std((0, 1)) / np.sqrt(convergence(d)["ess_bulk"]) for d in (a, b)]
     diff = np.abs(a.mean((0, 1)) - b.mean((0, 1)))

@@ -654,8 +654,15 @@ class MCMCPosterior(Posterior):
             stats["tree_depth"] = tr.tree_depth[:, w:]
         return stats
 
-    def function_draws(self, x: torch.Tensor, chunk: int = 256) -> torch.Tensor:
-        """Network outputs at ``x`` for every draw, ``[chain, draw, N, out]`` (chunked over draws)."""
+    def function_draws(self, x: Any, chunk: int = 256) -> torch.Tensor:
+        """Network outputs at ``x`` for every draw, ``[chain, draw, N, out]`` (chunked over draws).
+
+        ``x`` (``[N, in_features]``, a tensor on any device or an array) is validated and moved to
+        the device of the draws; the result lives there too.
+        """
+        from .._validation import check_inputs
+
+        x = check_inputs(self.model, x).to(self.model.device)
         total = self.num_chains * self.num_draws
         flat = {k: v.reshape(total, *v.shape[2:]) for k, v in self.samples.items()}
         with torch.no_grad():
@@ -676,9 +683,6 @@ class MCMCPosterior(Posterior):
         dict
             ``{"rhat", "ess_bulk", "ess_tail"}``, each ``[N, out]``.
         """
-        from .._validation import check_inputs
-
-        x = check_inputs(self.model, x).to(self.model.device)
         f = self.function_draws(x)
         if self.model.likelihood.task == "classification":
             f = torch.softmax(f, dim=-1)
