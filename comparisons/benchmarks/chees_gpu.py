@@ -16,7 +16,8 @@ precision prior, float32).  Three parts, each optional:
     ``--micro-seconds``; ``--micro-rounds`` rounds in rotating order; medians.
 ``--part e2e``
     ``pyrobdl.fit(method="chees", device=--device, num_chains=K)`` for each K of ``--chees-chains``
-    (``--chees-warmup`` warm-up iterations, ``max(20, ceil(--chees-draws / K))`` draws per chain),
+    (``--chees-warmup`` warm-up iterations, ``max(20, ceil(--chees-draws / K))`` draws per chain;
+    ``compile=True`` for K in ``--compile-chains``, timed after a short fit has compiled it),
     then the bulk ESS of the function values at the first 50 training inputs, per wall second
     and per CPU second of the host process, and their ratio to the NumPyro runs found in
     ``--numpyro-results`` (the cached runs: NumPyro's CPU seconds).
@@ -128,7 +129,7 @@ def micro(x, y, device: torch.device, args, out: Path) -> None:
 def e2e(x, y, device: torch.device, args, out: Path) -> None:
     for k in args.chees_chains:
         samples = max(args.chees_min_samples, math.ceil(args.chees_draws / k))
-        for compiled in ((False, True) if k in args.compile_chains else (False,)):
+        for compiled in ((True,) if k in args.compile_chains else (False,)):
             if compiled:  # timed with the compiled program cached, as NumPyro's reference run is
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
@@ -197,7 +198,8 @@ def main() -> None:
     parser.add_argument("--chees-draws", type=int, default=600)
     parser.add_argument("--chees-min-samples", type=int, default=20)
     parser.add_argument("--compile-chains", type=int, nargs="*", default=[],
-                        help="for these K also time the torch.compile'd log joint (micro) and fit(compile=True) (e2e)")
+                        help="for these K also time the torch.compile'd log joint (micro), and run fit(compile=True) "
+                             "instead of the eager fit (e2e)")
     parser.add_argument("--numpyro-results", default=None)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
