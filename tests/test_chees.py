@@ -799,7 +799,7 @@ def test_cuda_matches_cpu_in_distribution(blr):
     the posterior means must agree within Z standard errors of their difference."""
     kw = dict(method="chees", num_chains=32, num_warmup=300, num_samples=200, seed=0, progress=False)
     with warnings.catch_warnings():
-        # other random numbers: the CUDA run may miss the certificate as CPU seed 8 did (see
+        # other random numbers: the CUDA run may miss the certificate as one CPU seed in ten does (see
         # test_blr_exact_posterior); certification is not what is compared here
         warnings.filterwarnings("ignore", message="the chees posterior is not certified", category=UserWarning)
         cpu = pyrobdl.fit(blr_model(), blr.x_train, blr.y_train, device="cpu", **kw)
