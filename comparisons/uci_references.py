@@ -154,8 +154,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--init-strategy", default="prior", choices=["prior", "map", "ensemble"],
                         help="chees's init_strategy (map/ensemble: map_num_steps=500 Adam steps per chain)")
-    parser.add_argument("--compile", action="store_true",
-                        help="chees compile=True (13-26%% less CPU per chain-gradient measured at K = 8-64; needs a C++ compiler)")
+    parser.add_argument("--compile", action="store_const", const=True, default="auto",
+                        help="chees compile=True (13-26%% less CPU per chain-gradient measured at K = 8-64; needs a C++ "
+                             "compiler); without it chees's default compile='auto' (compiled on CUDA, eager on CPU)")
     parser.add_argument("--chunk-size", type=lambda v: None if v == "none" else (v if v == "auto" else int(v)),
                         default="auto", help="chees chunk_size: 'auto' (default), 'none' (all chains in one call) "
                         "or an integer; comparisons/benchmarks/flat_chunk_size.py measures which is fastest here")

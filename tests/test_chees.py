@@ -277,8 +277,47 @@ def test_compile_changes_only_rounding():
     np.testing.assert_array_equal(eager.trace.num_steps, compiled.trace.num_steps)
     for name in eager.samples:
         torch.testing.assert_close(compiled.samples[name], eager.samples[name], rtol=0, atol=1e-5)
-    with pytest.raises(TypeError, match="compile must be True or False, got 'yes'"):
+    with pytest.raises(TypeError, match="compile must be True, False or 'auto', got 'yes'"):
         pyrobdl.fit(small_mlp(), x, y, compile="yes", **kw)
+
+
+def test_compile_auto_is_eager_on_cpu():
+    """The default compile='auto' compiles on CUDA only: on CPU it is the eager run, draw for draw."""
+    x, y = small_data()
+    kw = dict(method="chees", num_chains=4, num_warmup=10, num_samples=5, seed=3, progress=False)
+    with uncertified():
+        auto = pyrobdl.fit(small_mlp(), x, y, **kw)
+    with uncertified():
+        eager = pyrobdl.fit(small_mlp(), x, y, compile=False, **kw)
+    assert auto.settings["compile"] == "auto" and auto.diagnostics["compile_s"] == 0.0
+    for name in eager.samples:
+        assert torch.equal(auto.samples[name], eager.samples[name])
+
+
+class _StubLogJoint:
+    """What ``_compile`` sees of a FlatLogJoint: its device and ``compile``."""
+
+    def __init__(self, device: str, fails: bool) -> None:
+        self.device, self.fails, self.calls = torch.device(device), fails, 0
+
+    def compile(self, k: int) -> float:
+        self.calls += 1
+        if self.fails:
+            raise RuntimeError("torch.compile of the flat log joint failed on this machine (stub)")
+        return 1.5
+
+
+def test_compile_auto_falls_back_to_eager_when_the_compiler_fails():
+    from pyrobdl.inference.chees import _compile
+
+    assert _compile(_StubLogJoint("cuda", fails=False), 8, "auto") == 1.5
+    cpu = _StubLogJoint("cpu", fails=False)
+    assert _compile(cpu, 8, "auto") == 0.0 and cpu.calls == 0  # never tried on CPU
+    with pytest.warns(RuntimeWarning, match="compile='auto' could not compile the log joint on cuda.*running eager"):
+        assert _compile(_StubLogJoint("cuda", fails=True), 8, "auto") == 0.0
+    with pytest.raises(RuntimeError, match="stub"):  # asked for explicitly: a failure stops the run
+        _compile(_StubLogJoint("cpu", fails=True), 8, True)
+    assert _compile(_StubLogJoint("cpu", fails=True), 8, False) == 0.0
 
 
 # ---------------------------------------------------------------------------- 4. the contract

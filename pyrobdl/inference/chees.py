@@ -79,7 +79,7 @@ CHEES_OPTIONS: dict[str, Any] = {
     "map_lr": 1e-2,
     "divergence_threshold": 1000.0,
     "chunk_size": "auto",
-    "compile": False,
+    "compile": "auto",
     "diagnostic_points": 50,
 }
 
@@ -140,9 +140,10 @@ def _check_options(model: Any, options: Mapping[str, Any]) -> None:
     p = options["target_accept_prob"]
     if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p < 1:
         raise ValueError(f"target_accept_prob must be in (0, 1), got {p!r}")
-    for name in ("adapt_mass_matrix", "compile"):
-        if not isinstance(options[name], bool):
-            raise TypeError(f"{name} must be True or False, got {options[name]!r}")
+    if not isinstance(options["adapt_mass_matrix"], bool):
+        raise TypeError(f"adapt_mass_matrix must be True or False, got {options['adapt_mass_matrix']!r}")
+    if not (isinstance(options["compile"], bool) or options["compile"] == "auto"):
+        raise TypeError(f"compile must be True, False or 'auto', got {options['compile']!r}")
     if options["jitter"] not in JITTERS:
         raise ValueError(f"unknown jitter {options['jitter']!r}; valid: {list(JITTERS)}")
     if options["mass_matrix"] not in MASS_MATRICES:
@@ -421,6 +422,26 @@ class _Sampler:
         return step
 
 
+def _compile(lj: FlatLogJoint, k: int, option: bool | str) -> float:
+    """Compile ``lj`` for K rows as ``option`` asks; the seconds spent (0 when not compiled).
+
+    ``"auto"`` compiles on CUDA only (measured on an H100: more than 2x faster end to end at
+    K = 1,024, against 1.15-1.35x per chain-gradient on CPU, where compiling also needs a C++
+    compiler); there a failure of the compiler warns and the run goes on eager.  ``True`` compiles anywhere
+    and a failure stops the run (:meth:`FlatLogJoint.compile`).
+    """
+    if option == "auto":
+        if lj.device.type != "cuda":
+            return 0.0
+        try:
+            return lj.compile(k)
+        except RuntimeError as err:
+            warnings.warn(f"chees: compile='auto' could not compile the log joint on {lj.device} ({err}); "
+                          "running eager", RuntimeWarning, stacklevel=3)
+            return 0.0
+    return lj.compile(k) if option else 0.0
+
+
 def _harmonic_mean(prob: torch.Tensor) -> float:
     """Harmonic mean of acceptance probabilities (0 if any is 0)."""
     if bool((prob <= 0).any()):
@@ -496,7 +517,7 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
     gen = torch.Generator(device=device)
     gen.manual_seed(int(options["seed"]))
     lj = FlatLogJoint(model, x, y, chunk_size=options["chunk_size"])
-    compile_s = lj.compile(k) if options["compile"] else 0.0
+    compile_s = _compile(lj, k, options["compile"])
     theta, map_grads = _starting_points(model, lj, k // options["superchain_size"], options, gen)
     # superchains (Margossian et al. 2024): chains c*M .. (c+1)*M - 1 share start c, so that nested
     # R-hat can tell whether they have forgotten it
