@@ -83,7 +83,7 @@ def run_split(name: str, split: int, args: argparse.Namespace) -> dict:
             num_warmup=args.warmup, num_samples=args.samples, seed=args.seed, progress=False,
             init_strategy=args.init_strategy, compile=args.compile,
             superchain_size=args.superchain if args.superchain_starts else 1, chunk_size=args.chunk_size,
-            mass_matrix=args.mass_matrix, device=args.device,
+            mass_matrix=args.mass_matrix, device=args.device, max_num_steps=args.max_num_steps,
         )
     total = post.num_chains * post.num_draws
     scores = evaluate(post, data.x_test, data.y_test, num_samples=total, seed=0,
@@ -99,7 +99,8 @@ def run_split(name: str, split: int, args: argparse.Namespace) -> dict:
         "settings": {"num_chains": args.chains, "num_warmup": args.warmup, "num_samples": args.samples,
                      "init_strategy": args.init_strategy, "compile": args.compile,
                      "superchain_size": post.trace.superchain_size, "chunk_size": args.chunk_size,
-                     "mass_matrix": args.mass_matrix, "device": args.device},
+                     "mass_matrix": args.mass_matrix, "device": args.device,
+                     "max_num_steps": args.max_num_steps},
         "rmse": scores["rmse"], "test_ll": scores["test_ll"], "coverage_90": scores.get("coverage_90"),
         "certified_split": split_cert.passed, "failures_split": list(split_cert.failures),
         "certified_nested": nested_cert.passed, "failures_nested": list(nested_cert.failures),
@@ -163,6 +164,8 @@ def main() -> None:
     parser.add_argument("--mass-matrix", choices=MASS_MATRICES, default="cross-chain",
                         help="chees mass_matrix: how each warm-up window estimates the diagonal mass matrix "
                         "(docs/methods/chees.md)")
+    parser.add_argument("--max-num-steps", type=int, default=1024,
+                        help="chees max_num_steps: the cap on leapfrog steps per iteration (its default 1024)")
     parser.add_argument("--device", default="cpu", help="where to sample: 'cpu' or 'cuda' (fit's device)")
     parser.add_argument("--cert-prefixes", nargs="*", type=int, default=[],
                         help="also certify the first N sampling iterations of each chain, for each N")
