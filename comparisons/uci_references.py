@@ -84,6 +84,7 @@ def run_split(name: str, split: int, args: argparse.Namespace) -> dict:
             init_strategy=args.init_strategy, compile=args.compile,
             superchain_size=args.superchain if args.superchain_starts else 1, chunk_size=args.chunk_size,
             mass_matrix=args.mass_matrix, device=args.device, max_num_steps=args.max_num_steps,
+            temperatures=args.temperatures,
         )
     total = post.num_chains * post.num_draws
     scores = evaluate(post, data.x_test, data.y_test, num_samples=total, seed=0,
@@ -100,7 +101,7 @@ def run_split(name: str, split: int, args: argparse.Namespace) -> dict:
                      "init_strategy": args.init_strategy, "compile": args.compile,
                      "superchain_size": post.trace.superchain_size, "chunk_size": args.chunk_size,
                      "mass_matrix": args.mass_matrix, "device": args.device,
-                     "max_num_steps": args.max_num_steps},
+                     "max_num_steps": args.max_num_steps, "temperatures": args.temperatures},
         "rmse": scores["rmse"], "test_ll": scores["test_ll"], "coverage_90": scores.get("coverage_90"),
         "certified_split": split_cert.passed, "failures_split": list(split_cert.failures),
         "certified_nested": nested_cert.passed, "failures_nested": list(nested_cert.failures),
@@ -109,6 +110,7 @@ def run_split(name: str, split: int, args: argparse.Namespace) -> dict:
         "divergences": split_cert.divergences, "ebfmi_min": split_cert.ebfmi_min,
         "prefixes": prefixes,
         "step_size": d["step_size"], "trajectory_length": d["trajectory_length"],
+        "swap_accept_prob": d["swap_accept_prob"], "num_chains_all_rungs": d["num_chains_all_rungs"],
         "mean_num_steps_sampling": d["mean_num_steps_sampling"],
         "chain_gradients": post.cost.gradient_evaluations, "cpu_s": post.cost.cpu_time_s,
         "wall_s": post.cost.wall_time_s, "device": post.cost.device,
@@ -166,6 +168,9 @@ def main() -> None:
                         "(docs/methods/chees.md)")
     parser.add_argument("--max-num-steps", type=int, default=1024,
                         help="chees max_num_steps: the cap on leapfrog steps per iteration (its default 1024)")
+    parser.add_argument("--temperatures", type=float, nargs="*", default=None,
+                        help="chees temperatures: inverse temperatures 1 > ... > 0 for replica exchange; --chains is "
+                             "then the number of chains of all rungs together, and only the first rung's are kept")
     parser.add_argument("--device", default="cpu", help="where to sample: 'cpu' or 'cuda' (fit's device)")
     parser.add_argument("--cert-prefixes", nargs="*", type=int, default=[],
                         help="also certify the first N sampling iterations of each chain, for each N")

@@ -81,6 +81,7 @@ CHEES_OPTIONS: dict[str, Any] = {
     "chunk_size": "auto",
     "compile": "auto",
     "diagnostic_points": 50,
+    "temperatures": None,
 }
 
 # Dual averaging constants of Hoffman & Gelman (2014), as Stan, NumPyro and Pyro use them.
@@ -152,10 +153,37 @@ def _check_options(model: Any, options: Mapping[str, Any]) -> None:
         raise ValueError(f"unknown init_strategy {options['init_strategy']!r}; valid: {list(INIT_STRATEGIES)}")
     if options["chunk_size"] not in (None, "auto"):
         _int(options, "chunk_size", 1)
+    _check_temperatures(options)
     # the flat log joint refuses what it does not implement, by name, before any work
     from ..flat import _check_supported
 
     _check_supported(model)
+
+
+def _check_temperatures(options: Mapping[str, Any]) -> None:
+    """``temperatures``: None, or inverse temperatures 1 = beta_0 > beta_1 > ... > 0 whose number
+    divides ``num_chains`` into rungs of at least 2 chains."""
+    t = options["temperatures"]
+    if t is None:
+        return
+    if isinstance(t, (str, bytes)) or not hasattr(t, "__len__"):
+        raise TypeError(f"temperatures must be None or a sequence of inverse temperatures, got {t!r}")
+    betas = list(t)
+    if any(isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) for b in betas):
+        raise TypeError(f"temperatures must hold finite numbers, got {betas!r}")
+    if len(betas) < 2:
+        raise ValueError(f"temperatures needs at least 2 inverse temperatures (1 first), got {betas!r}")
+    if betas[0] != 1:
+        raise ValueError(f"temperatures[0] must be 1 (the posterior's rung), got {betas[0]!r}")
+    if any(not a > b for a, b in zip(betas, betas[1:])) or betas[-1] <= 0:
+        raise ValueError(f"temperatures must decrease strictly from 1 and stay > 0, got {betas!r}")
+    k, r = options["num_chains"], len(betas)
+    if k % r or k // r < 2:
+        raise ValueError(f"num_chains={k} must be a multiple of len(temperatures)={r} with at least 2 chains "
+                         "per temperature")
+    if options["superchain_size"] > 1:
+        raise ValueError("temperatures and superchain_size > 1 cannot be combined (the rungs' chains swap states "
+                         "between superchains)")
 
 
 # ------------------------------------------------------------------------------- adaptation
@@ -199,18 +227,25 @@ class WindowVariance:
           the chains (the pooled within-chain variance, the W of R-hat), one ``[P]`` vector;
         * ``"per-chain"``: each chain's own variance over the window, ``[K, P]`` — Stan's
           single-chain estimate, K times.
+    groups : int, default 1
+        With ``G > 1`` the K chains form G equal groups of consecutive rows (the rungs of
+        ``temperatures``), each with its own estimate of ``kind`` ("cross-chain" and
+        "within-chain" over the group's chains only); the result is then ``[K, P]``, every row
+        its group's estimate.
 
     Every estimate is regularised as Stan regularises its own,
     :math:`\frac{n}{n+5}\hat\sigma^2 + 10^{-3}\frac{5}{n+5}`, with n the number of states
-    behind one estimate (K times the window's length for ``"cross-chain"`` and
+    behind one estimate (K/G times the window's length for ``"cross-chain"`` and
     ``"within-chain"``, the window's length for ``"per-chain"``).  Sums are accumulated in
     float64 about the window's first state, so a variance tiny beside a mean does not cancel.
     """
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, groups: int = 1) -> None:
         if kind not in MASS_MATRICES:
             raise ValueError(f"unknown mass_matrix {kind!r}; valid: {list(MASS_MATRICES)}")
-        self.kind = kind
+        if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
+            raise ValueError(f"groups must be an integer >= 1, got {groups!r}")
+        self.kind, self.groups = kind, groups
         self.shift = self.total = self.total_sq = None
         self.n = 0
 
@@ -218,7 +253,8 @@ class WindowVariance:
         """Record the chains' states ``[K, P]`` of one iteration."""
         t = theta.double()
         if self.shift is None:
-            self.shift = t.clone() if self.kind != "cross-chain" else t.mean(0)
+            # grouped estimates shift every chain by its own first state (pooled per group later)
+            self.shift = t.clone() if self.kind != "cross-chain" or self.groups > 1 else t.mean(0)
             self.total = torch.zeros_like(t)
             self.total_sq = torch.zeros_like(t)
         d = t - self.shift
@@ -237,6 +273,8 @@ class WindowVariance:
         if self.n < 2:
             raise RuntimeError(f"a warm-up window needs at least 2 iterations, got {self.n}")
         k = self.total.shape[0]
+        if self.groups > 1:
+            return self._grouped(k)
         if self.kind == "cross-chain":
             n = self.n * k
             mean = self.total.sum(0) / n
@@ -248,6 +286,35 @@ class WindowVariance:
             if self.kind == "within-chain":
                 var, n = var.mean(0), self.n * k
         return (n / (n + 5.0)) * var + 1e-3 * (5.0 / (n + 5.0))
+
+    def _grouped(self, k: int) -> torch.Tensor:
+        """:meth:`variance` for ``groups > 1``: ``[K, P]``, each row its group's estimate."""
+        g = self.groups
+        if k % g:
+            raise RuntimeError(f"{k} chains do not form {g} equal groups")
+        c = k // g
+        total, total_sq = self.total.view(g, c, -1), self.total_sq.view(g, c, -1)
+        if self.kind == "cross-chain":
+            # the shift is per chain (each its own first state), so pool the sums about it per chain
+            # into the group's sums about the group's first-state mean
+            n = self.n * c
+            base = self.shift.view(g, c, -1)
+            centre = base.mean(1, keepdim=True)
+            off = base - centre  # each chain's shift relative to the group's
+            s1 = (total + self.n * off).sum(1)  # sum of (theta - centre) over the group's states
+            s2 = (total_sq + 2.0 * off * total + self.n * off * off).sum(1)
+            mean = s1 / n
+            var = (s2 / n - mean * mean).clamp_min(0.0) * n / (n - 1)
+        else:
+            mean = total / self.n
+            var = (total_sq / self.n - mean * mean).clamp_min(0.0) * self.n / (self.n - 1)
+            n = self.n
+            if self.kind == "within-chain":
+                var, n = var.mean(1), self.n * c
+            else:
+                var = var.view(k, -1)
+        est = (n / (n + 5.0)) * var + 1e-3 * (5.0 / (n + 5.0))
+        return est if self.kind == "per-chain" else est.repeat_interleave(c, 0)
 
 
 @dataclass
@@ -355,6 +422,63 @@ def chees_gradient(theta0: torch.Tensor, proposal: torch.Tensor, momentum: torch
 
 
 # ----------------------------------------------------------------------------------- sampler
+class _Tempered:
+    r"""The log joint of chains at inverse temperatures: :math:`\log p(\theta) + \beta_k \log p(y|\theta)`.
+
+    ``beta`` ``[K]`` is each row's inverse temperature.  One call of the (possibly compiled) full
+    log joint and one of the cheap prior give both parts: the likelihood is their difference.
+    """
+
+    def __init__(self, lj: FlatLogJoint, beta: torch.Tensor) -> None:
+        self.lj, self.beta = lj, beta
+        self.size, self.layout = lj.size, lj.layout
+
+    def value_and_grad(self, theta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        full, g_full = self.lj.value_and_grad(theta)
+        prior, g_prior = self.lj.log_prior(theta)
+        return prior + self.beta * (full - prior), g_prior + self.beta.unsqueeze(-1) * (g_full - g_prior)
+
+    def log_likelihood(self, theta: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+        """Each row's log-likelihood, from its tempered log joint ``logp`` (no gradient call)."""
+        return (logp - self.lj.log_prior(theta)[0]) / self.beta
+
+
+def _swap(sampler: "_Sampler", tempered: _Tempered, rungs: int, parity: int,
+          generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""Replica exchange between neighbouring rungs (deterministic even-odd scheme).
+
+    Rungs are ``rungs`` equal blocks of consecutive rows.  For each pair of rungs
+    :math:`(r, r+1)` with :math:`r \equiv` ``parity`` (mod 2) and each column ``c``, the states of
+    row ``c`` of the two rungs are exchanged with probability
+    :math:`\min\{1, \exp[(\beta_r - \beta_{r+1})(\ell_{r+1,c} - \ell_{r,c})]\}`, which keeps
+    every rung's tempered posterior invariant (the priors cancel).  After an exchange the log joint
+    and gradient of every row are recomputed at its new temperature (one chain-gradient per row,
+    counted).  Returns the lower rungs of the proposed pairs and their acceptance probabilities
+    ``[pairs, C]``.
+    """
+    k = sampler.theta.shape[0]
+    c = k // rungs
+    lower = torch.arange(parity, rungs - 1, 2, device=sampler.theta.device)
+    if lower.numel() == 0:
+        return lower, sampler.theta.new_zeros(0, c)
+    ll = tempered.log_likelihood(sampler.theta, sampler.logp).view(rungs, c)
+    beta = tempered.beta.view(rungs, c)[:, 0]
+    log_a = (beta[lower] - beta[lower + 1]).unsqueeze(-1) * (ll[lower + 1] - ll[lower])
+    prob = torch.where(torch.isfinite(log_a), torch.exp(torch.clamp(log_a, max=0.0)), torch.zeros_like(log_a))
+    u = torch.rand(prob.shape, dtype=prob.dtype, device=prob.device, generator=generator)
+    accept = u < prob
+    if bool(accept.any()):
+        rows = torch.arange(k, device=sampler.theta.device).view(rungs, c)
+        lo, hi = rows[lower], rows[lower + 1]
+        perm = rows.clone()
+        perm[lower] = torch.where(accept, hi, lo)
+        perm[lower + 1] = torch.where(accept, lo, hi)
+        sampler.theta = sampler.theta[perm.view(-1)]
+        sampler.logp, sampler.grad = tempered.value_and_grad(sampler.theta)
+        sampler.gradients += k
+    return lower, prob
+
+
 class _Sampler:
     """The state of K lock-step chains and one jittered-HMC transition of all of them."""
 
@@ -522,7 +646,18 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
     # superchains (Margossian et al. 2024): chains c*M .. (c+1)*M - 1 share start c, so that nested
     # R-hat can tell whether they have forgotten it
     theta = theta.repeat_interleave(options["superchain_size"], dim=0)
-    sampler = _Sampler(lj, theta, gen, float(options["divergence_threshold"]))
+    # replica exchange: rung r is rows r*C .. (r+1)*C - 1 at inverse temperature beta_r; rung 0
+    # (beta = 1) is the posterior and the only one kept
+    betas = [float(b) for b in options["temperatures"]] if options["temperatures"] is not None else [1.0]
+    rungs = len(betas)
+    kept = k // rungs
+    tempered = None
+    if rungs > 1:
+        beta_rows = torch.tensor(betas, dtype=x.dtype, device=device).repeat_interleave(kept)
+        tempered = _Tempered(lj, beta_rows)
+    sampler = _Sampler(tempered if tempered is not None else lj, theta, gen, float(options["divergence_threshold"]))
+    swap_sum = torch.zeros(max(rungs - 1, 0), dtype=torch.float64, device=device)
+    swap_count = np.zeros(max(rungs - 1, 0), dtype=np.int64)
     target, cap = float(options["target_accept_prob"]), int(options["max_num_steps"])
     step = options["step_size"]
     search_grads = 0
@@ -536,19 +671,19 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
     traj.log_t_avg = traj.log_t
     windows = set(warmup_windows(warm)) if options["adapt_mass_matrix"] else set()
     window_start = _window_start(warm) if windows else 0
-    window = WindowVariance(options["mass_matrix"])
+    window = WindowVariance(options["mass_matrix"], groups=rungs)
 
     total = warm + draws
     # per-iteration statistics stay on the device until the end (no host round trip per iteration
     # in the sampling phase; warm-up needs one scalar sync per iteration for the adaptation)
-    rows = {name: torch.zeros(total, k, dtype=torch.float64, device=device)
+    rows = {name: torch.zeros(total, kept, dtype=torch.float64, device=device)
             for name in ("accept_prob", "energy", "log_joint")}
-    diverging_rows = torch.zeros(total, k, dtype=torch.bool, device=device)
+    diverging_rows = torch.zeros(total, kept, dtype=torch.bool, device=device)
     step_row = np.zeros(total)
     length_row = np.zeros(total)  # the unjittered trajectory length T of each iteration
     num_steps_row = np.zeros(total, dtype=np.int64)
     cap_hits = np.zeros(total, dtype=bool)
-    samples = torch.empty(draws, k, lj.size, dtype=x.dtype, device=device)
+    samples = torch.empty(draws, kept, lj.size, dtype=x.dtype, device=device)
     halton_index = 0
     rng = np.random.default_rng(int(options["seed"]))
     bar = None
@@ -565,11 +700,15 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
         n = max(1, min(cap, wanted))
         cap_hits[it] = wanted > cap
         theta0, proposal, p1, accept_prob, diverging, energy = sampler.transition(step, n)
+        if tempered is not None:
+            lower, prob = _swap(sampler, tempered, rungs, it % 2, gen)
+            swap_sum[lower] += prob.double().sum(-1)
+            swap_count[lower.cpu().numpy()] += kept
         step_row[it], num_steps_row[it], length_row[it] = step, n, trajectory_length
-        rows["accept_prob"][it] = accept_prob
-        rows["energy"][it] = energy
-        rows["log_joint"][it] = sampler.logp
-        diverging_rows[it] = diverging
+        rows["accept_prob"][it] = accept_prob[:kept]
+        rows["energy"][it] = energy[:kept]
+        rows["log_joint"][it] = sampler.logp[:kept]
+        diverging_rows[it] = diverging[:kept]
         if it < warm:
             weights = torch.where(diverging, torch.zeros_like(accept_prob), accept_prob)
             hm = _harmonic_mean(accept_prob[~diverging]) if bool((~diverging).any()) else 0.0
@@ -582,7 +721,7 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
                 window.add(sampler.theta)
             if (it + 1) in windows:
                 sampler.inv_mass = window.variance().to(x.dtype)
-                window = WindowVariance(options["mass_matrix"])
+                window = WindowVariance(options["mass_matrix"], groups=rungs)
                 window_start = it + 1
                 before = sampler.gradients
                 step = sampler.find_step_size(step)
@@ -598,7 +737,7 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
                 wanted_length = math.exp(traj.log_t_avg)
                 trajectory_length = min(max(wanted_length, step), cap * step)
         else:
-            samples[it - warm] = sampler.theta
+            samples[it - warm] = sampler.theta[:kept]
         if bar is not None:
             bar.update(1)
             if it % 10 == 0:
@@ -613,7 +752,7 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
 
     site_draws = {name: v.transpose(0, 1).contiguous() for name, v in lj.layout.unpack(samples).items()}
     trace = SamplerTrace(
-        num_warmup=warm, num_steps=np.tile(num_steps_row, (k, 1)), step_size=np.tile(step_row, (k, 1)),
+        num_warmup=warm, num_steps=np.tile(num_steps_row, (kept, 1)), step_size=np.tile(step_row, (kept, 1)),
         accept_prob=stats["accept_prob"], diverging=diverging_row, tree_depth=None, log_joint=stats["log_joint"],
         energy=stats["energy"], superchain_size=options["superchain_size"],
     )
@@ -623,7 +762,11 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
     posterior = MCMCPosterior(model, site_draws, trace, method="chees", settings=dict(options), cost=cost)
     leapfrog = num_steps_row
     diagnostics: dict[str, Any] = {
-        "num_chains": k,
+        "num_chains": kept,
+        "num_chains_all_rungs": k,
+        "temperatures": betas,
+        # mean acceptance probability of the exchanges proposed between rungs r and r + 1
+        "swap_accept_prob": [float(v) for v in (swap_sum.cpu().numpy() / np.maximum(swap_count, 1))],
         "num_warmup": warm,
         "num_samples": draws,
         "step_size": float(step),
