@@ -525,16 +525,17 @@ class _Sampler:
         self.grad = torch.where(accept.unsqueeze(-1), grad1, self.grad)
         return theta0, theta1, p1, accept_prob, diverging, energy
 
-    def find_step_size(self, step: float, target: float = 0.5, max_tries: int = 40) -> float:
+    def find_step_size(self, step: float, target: float = 0.5, max_tries: int = 40, rows: int | None = None) -> float:
         """Double or halve ``step`` until one leapfrog step's harmonic-mean acceptance crosses
-        ``target`` (the heuristic of Hoffman & Gelman 2014, Algorithm 4, across chains)."""
+        ``target`` (the heuristic of Hoffman & Gelman 2014, Algorithm 4, across chains; the first
+        ``rows`` chains only when given)."""
         def accept_at(eps: float) -> float:
             p0 = self.momentum()
             h0 = -self.logp + self.kinetic(p0)
             _, p1, logp1, _ = self.leapfrog(self.theta, p0, self.grad, eps, 1)
             delta = -logp1 + self.kinetic(p1) - h0
             prob = torch.where(torch.isfinite(delta), torch.exp(torch.clamp(-delta, max=0.0)), torch.zeros_like(delta))
-            return _harmonic_mean(prob)
+            return _harmonic_mean(prob[:rows])
 
         direction = 1.0 if accept_at(step) > target else -1.0
         for _ in range(max_tries):
@@ -663,7 +664,7 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
     search_grads = 0
     if step is None:
         before = sampler.gradients
-        step = sampler.find_step_size(0.1)
+        step = sampler.find_step_size(0.1, rows=kept)
         search_grads += sampler.gradients - before
     step = float(step)
     da = _DualAveraging.start(step)
@@ -711,7 +712,11 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
         diverging_rows[it] = diverging[:kept]
         if it < warm:
             weights = torch.where(diverging, torch.zeros_like(accept_prob), accept_prob)
-            hm = _harmonic_mean(accept_prob[~diverging]) if bool((~diverging).any()) else 0.0
+            # the step size is set by the posterior's chains (with tempering, rung 0's: the hotter
+            # rungs, each in its own metric, are wider; measured on yacht, adapting to all rungs let
+            # the beta = 1 rung diverge in most iterations)
+            ap, dv = accept_prob[:kept], diverging[:kept]
+            hm = _harmonic_mean(ap[~dv]) if bool((~dv).any()) else 0.0
             step = da.update(hm, target)
             g = chees_gradient(theta0, proposal, p1, sampler.inv_mass, weights, h, trajectory_length)
             if math.isfinite(g):
@@ -724,7 +729,7 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
                 window = WindowVariance(options["mass_matrix"], groups=rungs)
                 window_start = it + 1
                 before = sampler.gradients
-                step = sampler.find_step_size(step)
+                step = sampler.find_step_size(step, rows=kept)
                 search_grads += sampler.gradients - before
                 da = _DualAveraging.start(step)
                 # a fresh Adam state in the new metric: the second moment otherwise remembers the
