@@ -726,6 +726,24 @@ def test_leapfrog_with_one_metric_per_chain_is_each_chain_alone():
     torch.testing.assert_close(batch.kinetic(p), 0.5 * (p * p * inv_mass).sum(-1), rtol=1e-14, atol=0)
 
 
+def test_leapfrog_with_one_step_size_per_chain_is_each_chain_alone():
+    """A ``[K, 1]`` step (replica exchange: each rung its own) moves every chain as a leapfrog with
+    its own scalar step would, alone."""
+    x, y = small_data()
+    lj = FlatLogJoint(small_mlp(), x.double(), y.double(), chunk_size=None)
+    g = torch.Generator().manual_seed(1)
+    theta = 0.3 * torch.randn(4, lj.size, generator=g, dtype=torch.float64)
+    p = torch.randn(4, lj.size, generator=g, dtype=torch.float64)
+    steps = torch.tensor([[0.01], [0.02], [0.005], [0.03]], dtype=torch.float64)
+    batch = chees._Sampler(lj, theta, g, 1000.0)
+    out = batch.leapfrog(theta, p, batch.grad, steps, 6)
+    for k in range(4):
+        alone = chees._Sampler(lj, theta[k:k + 1], g, 1000.0)
+        one = alone.leapfrog(theta[k:k + 1], p[k:k + 1], alone.grad, float(steps[k, 0]), 6)
+        for a, b in zip(out, one):
+            torch.testing.assert_close(a[k:k + 1], b, rtol=1e-12, atol=1e-12)
+
+
 def test_map_init_runs_and_counts_its_gradients(monkeypatch):
     starts, maps = [], []
     real_init, real_map = chees._Sampler.__init__, chees._map_init
@@ -908,9 +926,10 @@ def test_swap_exchanges_neighbours_with_the_metropolis_probability():
 def test_tempered_chains_sample_the_exact_posterior(blr):
     """The beta = 1 rung of a 4-rung ladder (16 chains each) keeps the exact BLR posterior; only its
     chains are returned, every rung's gradients are counted.  Measured over seeds 0-5: the moments
-    within tolerance in all six, swap acceptance 0.50-0.54, certified in four (function-space
-    R-hat 1.0103 and 1.0106 in the others): certification is not what is tested here."""
-    with uncertified():
+    within tolerance in all six, swap acceptance 0.50-0.53, certified in five (function-space
+    R-hat 1.0102 in the other): certification is not what is tested here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="the chees posterior is not certified", category=UserWarning)
         posterior = pyrobdl.fit(blr_model(), blr.x_train, blr.y_train, method="chees", num_chains=64,
                                 num_warmup=300, num_samples=200, seed=0, progress=False, temperatures=LADDER)
     assert posterior.num_chains == 16 and posterior.trace.accept_prob.shape == (16, 500)
@@ -918,6 +937,9 @@ def test_tempered_chains_sample_the_exact_posterior(blr):
     assert_moments(blr_draws(posterior), blr.posterior.mean.numpy(), blr.posterior.covariance.numpy())
     d = posterior.diagnostics
     assert d["num_chains"] == 16 and d["num_chains_all_rungs"] == 64 and d["temperatures"] == LADDER
+    # every rung its own step size, rung 0's the one the trace records
+    assert len(d["step_size_rungs"]) == 4 and d["step_size_rungs"][0] == d["step_size"] > 0
+    assert all(s > 0 for s in d["step_size_rungs"])
     assert len(d["swap_accept_prob"]) == 3 and all(0.2 < a < 0.9 for a in d["swap_accept_prob"])
     leapfrogs = d["leapfrog_steps_warmup"] + d["leapfrog_steps_sampling"]
     assert posterior.cost.gradient_evaluations >= 64 * leapfrogs
@@ -928,7 +950,7 @@ def test_replica_exchange_crosses_between_modes():
     -w1), the same function, separated by a barrier of hundreds of nats: chains without tempering
     each stay in the mode they fell into; with a 12-rung ladder down to beta = 2^-11 the hot rungs
     cross the barrier and exchanges carry the crossings down, so every beta = 1 chain visits both
-    (measured, seed 0: per-chain fractions of draws with w1 > 0 of 0.36-0.58 with tempering, 0 or 1
+    (measured, seed 0: per-chain fractions of draws with w1 > 0 of 0.36-0.72 with tempering, 0 or 1
     without)."""
     g = torch.Generator().manual_seed(0)
     x = torch.linspace(-2, 2, 50).unsqueeze(-1)

@@ -496,14 +496,20 @@ class _Sampler:
     def kinetic(self, p: torch.Tensor) -> torch.Tensor:
         return 0.5 * (p * p * self.inv_mass).sum(-1)
 
-    def leapfrog(self, theta: torch.Tensor, p: torch.Tensor, grad: torch.Tensor, step: float, n: int):
+    def leapfrog(self, theta: torch.Tensor, p: torch.Tensor, grad: torch.Tensor, step: float | torch.Tensor, n: int):
+        """``n`` leapfrog steps of every chain; ``step`` a number, or ``[K, 1]``: each chain's own."""
         theta, p = theta.clone(), p + (0.5 * step) * grad
         scaled = step * self.inv_mass
         logp = grad = None
+        per_row = isinstance(step, torch.Tensor)
+        half = 0.5 * step
         for i in range(n):
             theta.addcmul_(scaled, p)
             logp, grad = self.lj.value_and_grad(theta)
-            p.add_(grad, alpha=step if i < n - 1 else 0.5 * step)
+            if per_row:
+                p.addcmul_(grad, step if i < n - 1 else half)
+            else:
+                p.add_(grad, alpha=step if i < n - 1 else half)
         self.gradients += n * theta.shape[0]
         return theta, p, logp, grad
 
@@ -668,6 +674,10 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
         search_grads += sampler.gradients - before
     step = float(step)
     da = _DualAveraging.start(step)
+    # with tempering every hotter rung has its own step size, adapted on its own acceptance (in its
+    # own metric the beta = 0.1 rung of yacht wants a step 60x the beta = 1 rung's: measured)
+    hot_steps = [step] * (rungs - 1)
+    hot_das = [_DualAveraging.start(step) for _ in hot_steps]
     traj = _TrajectoryAdam(log_t=math.log(options["init_trajectory_length"]), lr=float(options["trajectory_lr"]))
     traj.log_t_avg = traj.log_t
     windows = set(warmup_windows(warm)) if options["adapt_mass_matrix"] else set()
@@ -700,7 +710,9 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
         wanted = math.ceil(h * trajectory_length / step)
         n = max(1, min(cap, wanted))
         cap_hits[it] = wanted > cap
-        theta0, proposal, p1, accept_prob, diverging, energy = sampler.transition(step, n)
+        step_arg = step if tempered is None else torch.tensor(
+            [step, *hot_steps], dtype=x.dtype, device=device).repeat_interleave(kept).unsqueeze(-1)
+        theta0, proposal, p1, accept_prob, diverging, energy = sampler.transition(step_arg, n)
         if tempered is not None:
             lower, prob = _swap(sampler, tempered, rungs, it % 2, gen)
             swap_sum[lower] += prob.double().sum(-1)
@@ -718,7 +730,14 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
             ap, dv = accept_prob[:kept], diverging[:kept]
             hm = _harmonic_mean(ap[~dv]) if bool((~dv).any()) else 0.0
             step = da.update(hm, target)
-            g = chees_gradient(theta0, proposal, p1, sampler.inv_mass, weights, h, trajectory_length)
+            for r in range(1, rungs):
+                ap, dv = accept_prob[r * kept : (r + 1) * kept], diverging[r * kept : (r + 1) * kept]
+                hot_steps[r - 1] = hot_das[r - 1].update(_harmonic_mean(ap[~dv]) if bool((~dv).any()) else 0.0,
+                                                         target)
+            # the trajectory length is that of the posterior's rung (the number of steps is shared)
+            inv_mass = sampler.inv_mass[:kept] if sampler.inv_mass.dim() == 2 else sampler.inv_mass
+            g = chees_gradient(theta0[:kept], proposal[:kept], p1[:kept], inv_mass, weights[:kept], h,
+                               trajectory_length)
             if math.isfinite(g):
                 traj.update(g)
             trajectory_length = min(max(math.exp(traj.log_t_avg), step), cap * step)
@@ -732,6 +751,7 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
                 step = sampler.find_step_size(step, rows=kept)
                 search_grads += sampler.gradients - before
                 da = _DualAveraging.start(step)
+                hot_das = [_DualAveraging.start(s) for s in hot_steps]
                 # a fresh Adam state in the new metric: the second moment otherwise remembers the
                 # huge gradients of the first iterations, when chains fall from their prior draws,
                 # and freezes log T (measured with a learned noise precision: T stuck at 1.05)
@@ -739,6 +759,7 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
                 trajectory_length = min(max(math.exp(traj.log_t_avg), step), cap * step)
             if it == warm - 1:
                 step = math.exp(da.log_step_bar)
+                hot_steps = [math.exp(d.log_step_bar) for d in hot_das]
                 wanted_length = math.exp(traj.log_t_avg)
                 trajectory_length = min(max(wanted_length, step), cap * step)
         else:
@@ -770,6 +791,7 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
         "num_chains": kept,
         "num_chains_all_rungs": k,
         "temperatures": betas,
+        "step_size_rungs": [float(step), *map(float, hot_steps)],
         # mean acceptance probability of the exchanges proposed between rungs r and r + 1
         "swap_accept_prob": [float(v) for v in (swap_sum.cpu().numpy() / np.maximum(swap_count, 1))],
         "num_warmup": warm,
