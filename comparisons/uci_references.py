@@ -111,6 +111,7 @@ def run_split(name: str, split: int, args: argparse.Namespace) -> dict:
         "prefixes": prefixes,
         "step_size": d["step_size"], "trajectory_length": d["trajectory_length"],
         "swap_accept_prob": d["swap_accept_prob"], "num_chains_all_rungs": d["num_chains_all_rungs"],
+        "step_size_rungs": d["step_size_rungs"],
         "mean_num_steps_sampling": d["mean_num_steps_sampling"],
         "chain_gradients": post.cost.gradient_evaluations, "cpu_s": post.cost.cpu_time_s,
         "wall_s": post.cost.wall_time_s, "device": post.cost.device,
