@@ -975,6 +975,13 @@ def test_replica_exchange_crosses_between_modes():
     assert abs(float(positive.mean()) - 0.5) <= Z * math.sqrt(0.25 / ess)
 
 
+def test_temperatures_built_with_numpy_are_numbers(blr):
+    with uncertified():
+        post = pyrobdl.fit(blr_model(), blr.x_train, blr.y_train, method="chees",
+                           temperatures=np.array([1.0, 0.5], dtype=np.float32), **TINY)
+    assert post.diagnostics["temperatures"] == [1.0, 0.5] and post.num_chains == 2
+
+
 @pytest.mark.parametrize("temperatures, error, match", [
     ([0.5, 0.25], ValueError, r"temperatures\[0\] must be 1"),
     ([1.0, 0.5, 0.5], ValueError, "must decrease strictly from 1 and stay > 0"),

@@ -37,6 +37,7 @@ every diagnostic, the ArviZ adapter, the suite and the report treat it like ``"n
 from __future__ import annotations
 
 import math
+import numbers
 import time
 import warnings
 from dataclasses import dataclass
@@ -169,7 +170,7 @@ def _check_temperatures(options: Mapping[str, Any]) -> None:
     if isinstance(t, (str, bytes)) or not hasattr(t, "__len__"):
         raise TypeError(f"temperatures must be None or a sequence of inverse temperatures, got {t!r}")
     betas = list(t)
-    if any(isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) for b in betas):
+    if any(isinstance(b, bool) or not isinstance(b, numbers.Real) or not math.isfinite(b) for b in betas):
         raise TypeError(f"temperatures must hold finite numbers, got {betas!r}")
     if len(betas) < 2:
         raise ValueError(f"temperatures needs at least 2 inverse temperatures (1 first), got {betas!r}")
