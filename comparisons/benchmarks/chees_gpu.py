@@ -50,7 +50,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from chees_vs_numpyro import load, make_model, run_numpyro_seed  # noqa: E402
+from chees_vs_numpyro import load, make_model, per_cpu, run_numpyro_seed  # noqa: E402
 from nuts_vs_numpyro import NUM_EVAL, make_data, summarise  # noqa: E402
 
 import pyrobdl  # noqa: E402
@@ -153,10 +153,8 @@ def e2e(x, y, device: torch.device, args, out: Path) -> None:
                 "peak_memory_bytes": post.cost.peak_memory_bytes,
                 "warnings": sorted({str(w.message)[:200] for w in caught}),
             }
-            row = summarise(f"pyrobdl chees K={k} on {device}", post.cost.wall_time_s, post.cost.cpu_time_s,
-                            d["chain_gradients"], f, extra)
-            row["ess_min_per_cpu_s"] = row["ess_min"] / row["cpu_s"]
-            row["ess_median_per_cpu_s"] = row["ess_median"] / row["cpu_s"]
+            row = per_cpu(summarise(f"pyrobdl chees K={k} on {device}", post.cost.wall_time_s, post.cost.cpu_time_s,
+                                    d["chain_gradients"], f, extra))
             row["wall_us_per_chain_gradient"] = 1e6 * row["wall_s"] / row["gradients"]
             ref = numpyro_reference(args.numpyro_results)
             if ref is not None:

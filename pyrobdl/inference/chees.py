@@ -574,6 +574,11 @@ def _compile(lj: FlatLogJoint, k: int, option: bool | str) -> float:
     return lj.compile(k) if option else 0.0
 
 
+def _step_rows(steps: list[float], per_rung: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The ``[K, 1]`` step of every row: rung r's step for its ``per_rung`` consecutive rows."""
+    return torch.tensor(steps, dtype=dtype, device=device).repeat_interleave(per_rung).unsqueeze(-1)
+
+
 def _harmonic_mean(prob: torch.Tensor) -> float:
     """Harmonic mean of acceptance probabilities (0 if any is 0)."""
     if bool((prob <= 0).any()):
@@ -674,11 +679,12 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
         step = sampler.find_step_size(0.1, rows=kept)
         search_grads += sampler.gradients - before
     step = float(step)
-    da = _DualAveraging.start(step)
-    # with tempering every hotter rung has its own step size, adapted on its own acceptance (in its
-    # own metric the beta = 0.1 rung of yacht wants a step 60x the beta = 1 rung's: measured)
-    hot_steps = [step] * (rungs - 1)
-    hot_das = [_DualAveraging.start(step) for _ in hot_steps]
+    # one step size per rung, each adapted on its own rung's acceptance (in its own metric the
+    # beta = 0.1 rung of yacht wants a step 60x the beta = 1 rung's: measured); rung 0's is `step`,
+    # the posterior's, which also sets the number of leapfrog steps
+    steps = [step] * rungs
+    das = [_DualAveraging.start(step) for _ in steps]
+    step_rows = _step_rows(steps, kept, x.dtype, device) if tempered is not None else None
     traj = _TrajectoryAdam(log_t=math.log(options["init_trajectory_length"]), lr=float(options["trajectory_lr"]))
     traj.log_t_avg = traj.log_t
     windows = set(warmup_windows(warm)) if options["adapt_mass_matrix"] else set()
@@ -711,13 +717,12 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
         wanted = math.ceil(h * trajectory_length / step)
         n = max(1, min(cap, wanted))
         cap_hits[it] = wanted > cap
-        step_arg = step if tempered is None else torch.tensor(
-            [step, *hot_steps], dtype=x.dtype, device=device).repeat_interleave(kept).unsqueeze(-1)
-        theta0, proposal, p1, accept_prob, diverging, energy = sampler.transition(step_arg, n)
+        theta0, proposal, p1, accept_prob, diverging, energy = sampler.transition(
+            step if tempered is None else step_rows, n)
         if tempered is not None:
             lower, prob = _swap(sampler, tempered, rungs, it % 2, gen)
             swap_sum[lower] += prob.double().sum(-1)
-            swap_count[lower.cpu().numpy()] += kept
+            swap_count[it % 2 : rungs - 1 : 2] += kept  # the pairs proposed: known from the parity
         step_row[it], num_steps_row[it], length_row[it] = step, n, trajectory_length
         rows["accept_prob"][it] = accept_prob[:kept]
         rows["energy"][it] = energy[:kept]
@@ -725,16 +730,12 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
         diverging_rows[it] = diverging[:kept]
         if it < warm:
             weights = torch.where(diverging, torch.zeros_like(accept_prob), accept_prob)
-            # the step size is set by the posterior's chains (with tempering, rung 0's: the hotter
-            # rungs, each in its own metric, are wider; measured on yacht, adapting to all rungs let
-            # the beta = 1 rung diverge in most iterations)
-            ap, dv = accept_prob[:kept], diverging[:kept]
-            hm = _harmonic_mean(ap[~dv]) if bool((~dv).any()) else 0.0
-            step = da.update(hm, target)
-            for r in range(1, rungs):
+            # each rung's step size on its own chains' acceptance (one rung without tempering;
+            # measured on yacht, one step adapted on all rungs let the beta = 1 rung diverge)
+            for r in range(rungs):
                 ap, dv = accept_prob[r * kept : (r + 1) * kept], diverging[r * kept : (r + 1) * kept]
-                hot_steps[r - 1] = hot_das[r - 1].update(_harmonic_mean(ap[~dv]) if bool((~dv).any()) else 0.0,
-                                                         target)
+                steps[r] = das[r].update(_harmonic_mean(ap[~dv]) if bool((~dv).any()) else 0.0, target)
+            step = steps[0]
             # the trajectory length is that of the posterior's rung (the number of steps is shared)
             inv_mass = sampler.inv_mass[:kept] if sampler.inv_mass.dim() == 2 else sampler.inv_mass
             g = chees_gradient(theta0[:kept], proposal[:kept], p1[:kept], inv_mass, weights[:kept], h,
@@ -749,20 +750,21 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
                 window = WindowVariance(options["mass_matrix"], groups=rungs)
                 window_start = it + 1
                 before = sampler.gradients
-                step = sampler.find_step_size(step, rows=kept)
+                step = steps[0] = sampler.find_step_size(step, rows=kept)
                 search_grads += sampler.gradients - before
-                da = _DualAveraging.start(step)
-                hot_das = [_DualAveraging.start(s) for s in hot_steps]
+                das = [_DualAveraging.start(s) for s in steps]
                 # a fresh Adam state in the new metric: the second moment otherwise remembers the
                 # huge gradients of the first iterations, when chains fall from their prior draws,
                 # and freezes log T (measured with a learned noise precision: T stuck at 1.05)
                 traj.v, traj.t = 0.0, 0
                 trajectory_length = min(max(math.exp(traj.log_t_avg), step), cap * step)
             if it == warm - 1:
-                step = math.exp(da.log_step_bar)
-                hot_steps = [math.exp(d.log_step_bar) for d in hot_das]
+                steps = [math.exp(d.log_step_bar) for d in das]
+                step = steps[0]
                 wanted_length = math.exp(traj.log_t_avg)
                 trajectory_length = min(max(wanted_length, step), cap * step)
+            if tempered is not None:
+                step_rows = _step_rows(steps, kept, x.dtype, device)
         else:
             samples[it - warm] = sampler.theta[:kept]
         if bar is not None:
@@ -792,7 +794,7 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
         "num_chains": kept,
         "num_chains_all_rungs": k,
         "temperatures": betas,
-        "step_size_rungs": [float(step), *map(float, hot_steps)],
+        "step_size_rungs": [float(v) for v in steps],
         # mean acceptance probability of the exchanges proposed between rungs r and r + 1
         "swap_accept_prob": [float(v) for v in (swap_sum.cpu().numpy() / np.maximum(swap_count, 1))],
         "num_warmup": warm,
