@@ -84,7 +84,7 @@ def run_split(name: str, split: int, args: argparse.Namespace) -> dict:
             init_strategy=args.init_strategy, compile=args.compile,
             superchain_size=args.superchain if args.superchain_starts else 1, chunk_size=args.chunk_size,
             mass_matrix=args.mass_matrix, device=args.device, max_num_steps=args.max_num_steps,
-            temperatures=args.temperatures,
+            temperatures=args.temperatures, adapt_temperatures=args.adapt_temperatures,
         )
     total = post.num_chains * post.num_draws
     scores = evaluate(post, data.x_test, data.y_test, num_samples=total, seed=0,
@@ -101,7 +101,8 @@ def run_split(name: str, split: int, args: argparse.Namespace) -> dict:
                      "init_strategy": args.init_strategy, "compile": args.compile,
                      "superchain_size": post.trace.superchain_size, "chunk_size": args.chunk_size,
                      "mass_matrix": args.mass_matrix, "device": args.device,
-                     "max_num_steps": args.max_num_steps, "temperatures": args.temperatures},
+                     "max_num_steps": args.max_num_steps, "temperatures": args.temperatures,
+                     "adapt_temperatures": args.adapt_temperatures},
         "rmse": scores["rmse"], "test_ll": scores["test_ll"], "coverage_90": scores.get("coverage_90"),
         "certified_split": split_cert.passed, "failures_split": list(split_cert.failures),
         "certified_nested": nested_cert.passed, "failures_nested": list(nested_cert.failures),
@@ -111,7 +112,10 @@ def run_split(name: str, split: int, args: argparse.Namespace) -> dict:
         "prefixes": prefixes,
         "step_size": d["step_size"], "trajectory_length": d["trajectory_length"],
         "swap_accept_prob": d["swap_accept_prob"], "num_chains_all_rungs": d["num_chains_all_rungs"],
-        "step_size_rungs": d["step_size_rungs"],
+        "step_size_rungs": d["step_size_rungs"], "temperatures_final": d["temperatures"],
+        "swap_accept_prob_sampling": d["swap_accept_prob_sampling"],
+        "round_trips": d["round_trips"], "hot_arrivals": d["hot_arrivals"],
+        "round_trips_warmup": d["round_trips_warmup"], "hot_arrivals_warmup": d["hot_arrivals_warmup"],
         "mean_num_steps_sampling": d["mean_num_steps_sampling"],
         "chain_gradients": post.cost.gradient_evaluations, "cpu_s": post.cost.cpu_time_s,
         "wall_s": post.cost.wall_time_s, "device": post.cost.device,
@@ -172,6 +176,9 @@ def main() -> None:
     parser.add_argument("--temperatures", type=float, nargs="*", default=None,
                         help="chees temperatures: inverse temperatures 1 > ... > 0 for replica exchange; --chains is "
                              "then the number of chains of all rungs together, and only the first rung's are kept")
+    parser.add_argument("--adapt-temperatures", action="store_true",
+                        help="chees adapt_temperatures: move the inner rungs of --temperatures during warm-up so "
+                             "that neighbouring exchanges are rejected equally often")
     parser.add_argument("--device", default="cpu", help="where to sample: 'cpu' or 'cuda' (fit's device)")
     parser.add_argument("--cert-prefixes", nargs="*", type=int, default=[],
                         help="also certify the first N sampling iterations of each chain, for each N")

@@ -904,8 +904,10 @@ def test_swap_exchanges_neighbours_with_the_metropolis_probability():
         theta = lj.sample_prior(12, generator=gen)
         sampler = chees._Sampler(tempered, theta.clone(), gen, 1000.0)
         ll = lj.value_and_grad(theta, prior=False)[0].view(4, 3)
-        lower, prob = chees._swap(sampler, tempered, 4, parity, gen)
+        lower, prob, perm = chees._swap(sampler, tempered, 4, parity, gen)
         assert lower.tolist() == pairs
+        if perm is not None:  # row i now holds the state that was in row perm[i]
+            torch.testing.assert_close(sampler.theta, theta[perm], rtol=0, atol=0)
         b = torch.tensor(LADDER, dtype=torch.float64)
         for i, r in enumerate(pairs):
             expected = torch.exp(torch.clamp((b[r] - b[r + 1]) * (ll[r + 1] - ll[r]), max=0.0))
@@ -943,6 +945,89 @@ def test_tempered_chains_sample_the_exact_posterior(blr):
     assert len(d["swap_accept_prob"]) == 3 and all(0.2 < a < 0.9 for a in d["swap_accept_prob"])
     leapfrogs = d["leapfrog_steps_warmup"] + d["leapfrog_steps_sampling"]
     assert posterior.cost.gradient_evaluations >= 64 * leapfrogs
+
+
+def test_respace_ladder_equalises_a_known_barrier():
+    """With rejections that are increments of a known cumulative barrier, repeated respacing
+    converges to a ladder whose neighbours reject equally (measured: max/min 1.03 after one move,
+    1 + 5e-6 after six); equal rates leave any ladder where it is; the ends never move."""
+    barrier = lambda b: 0.3 * (-np.log(b)) ** 1.5 + 0.05 * (1 - b)  # noqa: E731
+    ladder = list(np.geomspace(1.0, 0.01, 8))
+    first = np.diff(barrier(np.array(ladder)))
+    assert first.max() / first.min() > 3
+    for _ in range(10):
+        ladder = chees.respace_ladder(ladder, np.diff(barrier(np.array(ladder))))
+        assert ladder[0] == 1.0 and ladder[-1] == 0.01 and all(a > b for a, b in zip(ladder, ladder[1:]))
+    rej = np.diff(barrier(np.array(ladder)))
+    assert rej.max() / rej.min() < 1 + 1e-6
+    assert rej.sum() == pytest.approx(first.sum(), rel=1e-12)  # the barrier is the path's, not the ladder's
+    uneven = [1.0, 0.7, 0.2, 0.15, 0.01]
+    np.testing.assert_allclose(chees.respace_ladder(uneven, [0.3] * 4), uneven, rtol=1e-12)
+    # rates of zero (never rejected) are floored, so the new ladder still decreases strictly
+    zero = chees.respace_ladder(uneven, [0.0, 0.0, 0.9, 0.0])
+    assert all(a > b for a, b in zip(zero, zero[1:]))
+    with pytest.raises(ValueError, match=r"one finite rate per neighbouring pair \(4\)"):
+        chees.respace_ladder(uneven, [0.1, 0.2])
+
+
+def test_replica_tracker_counts_round_trips_and_arrivals_from_the_hot_end():
+    """Three rungs of one chain; replicas named by their starting row (0 cold, 2 hot).  A round trip
+    is coldest -> hottest -> coldest; an arrival from the hot end is any return to the coldest rung
+    after a visit to the hottest (replica 2 starts there: an arrival, not a round trip)."""
+    t = chees._ReplicaTracker(3, 3, torch.device("cpu"))
+    up, down = torch.tensor([1, 0, 2]), torch.tensor([0, 2, 1])  # exchange rows (0, 1) / rows (1, 2)
+    expected = [  # (perm, phase, replicas by row after it, [round trips, arrivals] per phase)
+        (None, 0, [0, 1, 2], [[0, 0], [0, 0]]),
+        (up, 0, [1, 0, 2], [[0, 0], [0, 0]]),
+        (down, 0, [1, 2, 0], [[0, 0], [0, 0]]),   # replica 0 reaches the hot end
+        (up, 0, [2, 1, 0], [[0, 1], [0, 0]]),     # replica 2 arrives from the hot end it started in
+        (down, 0, [2, 0, 1], [[0, 1], [0, 0]]),   # replica 1 reaches the hot end
+        (up, 0, [0, 2, 1], [[1, 2], [0, 0]]),     # replica 0 completes a round trip
+        (None, 1, [0, 2, 1], [[1, 2], [0, 0]]),   # staying put counts nothing more
+        (up, 1, [2, 0, 1], [[1, 2], [0, 0]]),
+        (down, 1, [2, 1, 0], [[1, 2], [0, 0]]),
+        (up, 1, [1, 2, 0], [[1, 2], [1, 1]]),     # replica 1: cold (step 2), hot (step 5), cold
+    ]
+    for perm, phase, rows, counts in expected:
+        t.update(perm, phase)
+        assert t.replica.tolist() == rows
+        assert t.counts.tolist() == counts
+
+
+def test_adapted_ladder_equalises_exchanges_and_keeps_the_posterior(blr):
+    """A ladder with its rungs badly placed (1, 0.9, 0.8, then 0.005): the last pair almost never
+    exchanges, so no state travels the ladder.  With ``adapt_temperatures`` the inner rungs move
+    during warm-up until the exchange rates even out and states make round trips; the beta = 1
+    rung keeps the exact BLR posterior either way.  Measured (seeds 0, 1): sampling-phase rates
+    0.92 / 0.91 / 0.000 and no round trip fixed; 0.10-0.14 and 53-59 round trips adapted, the
+    ladder moved to (1, 0.19, 0.029, 0.005)."""
+    ladder = [1.0, 0.9, 0.8, 0.005]
+    kw = dict(method="chees", num_chains=64, num_warmup=300, num_samples=200, seed=0, progress=False,
+              temperatures=ladder)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="the chees posterior is not certified", category=UserWarning)
+        fixed = pyrobdl.fit(blr_model(), blr.x_train, blr.y_train, **kw)
+        adapted = pyrobdl.fit(blr_model(), blr.x_train, blr.y_train, adapt_temperatures=True, **kw)
+    f, a = fixed.diagnostics, adapted.diagnostics
+    assert f["temperatures"] == f["temperatures_initial"] == ladder
+    assert min(f["swap_accept_prob_sampling"]) < 0.01 and f["round_trips"] <= 2
+    assert a["temperatures_initial"] == ladder and a["temperatures"] != ladder
+    b = a["temperatures"]
+    assert b[0] == 1.0 and b[-1] == 0.005 and all(u > v for u, v in zip(b, b[1:]))
+    rates = a["swap_accept_prob_sampling"]
+    assert min(rates) > 0.05 and max(rates) / min(rates) < 2, rates
+    assert a["round_trips"] >= 20 and a["hot_arrivals"] >= a["round_trips"]
+    for post in (fixed, adapted):
+        assert_moments(blr_draws(post), blr.posterior.mean.numpy(), blr.posterior.covariance.numpy())
+        replica = post.adaptation["replica"]  # [16 beta = 1 slots, 500 iterations]
+        assert replica.shape == (16, 500)
+        assert all(len(set(col)) == 16 for col in replica.T)  # one replica per slot at a time
+        # the beta = 1 slots change hands only in even iterations, when pair (0, 1) is proposed
+        changed = np.flatnonzero((np.diff(replica, axis=1) != 0).any(0)) + 1
+        assert changed.size and (changed % 2 == 0).all()
+    # three ladder moves, each recomputing all 64 rows, are counted
+    leapfrogs = a["leapfrog_steps_warmup"] + a["leapfrog_steps_sampling"]
+    assert adapted.cost.gradient_evaluations >= 64 * leapfrogs + 3 * 64
 
 
 def test_replica_exchange_crosses_between_modes():
@@ -995,6 +1080,12 @@ def test_temperatures_are_checked_up_front(blr, temperatures, error, match):
     with pytest.raises(error, match=match):
         pyrobdl.fit(blr_model(), blr.x_train, blr.y_train, method="chees", num_chains=8, temperatures=temperatures,
                     progress=False)
+    with pytest.raises(ValueError, match="adapt_temperatures=True needs temperatures"):
+        pyrobdl.fit(blr_model(), blr.x_train, blr.y_train, method="chees", num_chains=8, adapt_temperatures=True,
+                    progress=False)
+    with pytest.raises(TypeError, match="adapt_temperatures must be True or False, got 'yes'"):
+        pyrobdl.fit(blr_model(), blr.x_train, blr.y_train, method="chees", num_chains=8, temperatures=[1.0, 0.5],
+                    adapt_temperatures="yes", progress=False)
     with pytest.raises(ValueError, match="temperatures and superchain_size > 1 cannot be combined"):
         pyrobdl.fit(blr_model(), blr.x_train, blr.y_train, method="chees", num_chains=8, temperatures=[1.0, 0.5],
                     superchain_size=2, progress=False)

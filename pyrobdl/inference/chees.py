@@ -83,6 +83,7 @@ CHEES_OPTIONS: dict[str, Any] = {
     "compile": "auto",
     "diagnostic_points": 50,
     "temperatures": None,
+    "adapt_temperatures": False,
 }
 
 # Dual averaging constants of Hoffman & Gelman (2014), as Stan, NumPyro and Pyro use them.
@@ -142,8 +143,9 @@ def _check_options(model: Any, options: Mapping[str, Any]) -> None:
     p = options["target_accept_prob"]
     if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p < 1:
         raise ValueError(f"target_accept_prob must be in (0, 1), got {p!r}")
-    if not isinstance(options["adapt_mass_matrix"], bool):
-        raise TypeError(f"adapt_mass_matrix must be True or False, got {options['adapt_mass_matrix']!r}")
+    for name in ("adapt_mass_matrix", "adapt_temperatures"):
+        if not isinstance(options[name], bool):
+            raise TypeError(f"{name} must be True or False, got {options[name]!r}")
     if not (isinstance(options["compile"], bool) or options["compile"] == "auto"):
         raise TypeError(f"compile must be True, False or 'auto', got {options['compile']!r}")
     if options["jitter"] not in JITTERS:
@@ -166,6 +168,9 @@ def _check_temperatures(options: Mapping[str, Any]) -> None:
     divides ``num_chains`` into rungs of at least 2 chains."""
     t = options["temperatures"]
     if t is None:
+        if options["adapt_temperatures"]:
+            raise ValueError("adapt_temperatures=True needs temperatures (the initial ladder whose inner inverse "
+                             "temperatures it moves)")
         return
     if isinstance(t, (str, bytes)) or not hasattr(t, "__len__"):
         raise TypeError(f"temperatures must be None or a sequence of inverse temperatures, got {t!r}")
@@ -454,14 +459,15 @@ def _swap(sampler: "_Sampler", tempered: _Tempered, rungs: int, parity: int,
     :math:`\min\{1, \exp[(\beta_r - \beta_{r+1})(\ell_{r+1,c} - \ell_{r,c})]\}`, which keeps
     every rung's tempered posterior invariant (the priors cancel).  After an exchange the log joint
     and gradient of every row are recomputed at its new temperature (one chain-gradient per row,
-    counted).  Returns the lower rungs of the proposed pairs and their acceptance probabilities
-    ``[pairs, C]``.
+    counted).  Returns the lower rungs of the proposed pairs, their acceptance probabilities
+    ``[pairs, C]``, and the permutation of the rows (``None`` when nothing was exchanged): row i
+    now holds the state that was in row ``perm[i]``.
     """
     k = sampler.theta.shape[0]
     c = k // rungs
     lower = torch.arange(parity, rungs - 1, 2, device=sampler.theta.device)
     if lower.numel() == 0:
-        return lower, sampler.theta.new_zeros(0, c)
+        return lower, sampler.theta.new_zeros(0, c), None
     ll = tempered.log_likelihood(sampler.theta, sampler.logp).view(rungs, c)
     beta = tempered.beta.view(rungs, c)[:, 0]
     log_a = (beta[lower] - beta[lower + 1]).unsqueeze(-1) * (ll[lower + 1] - ll[lower])
@@ -477,7 +483,76 @@ def _swap(sampler: "_Sampler", tempered: _Tempered, rungs: int, parity: int,
         sampler.theta = sampler.theta[perm.view(-1)]
         sampler.logp, sampler.grad = tempered.value_and_grad(sampler.theta)
         sampler.gradients += k
-    return lower, prob
+        return lower, prob, perm.view(-1)
+    return lower, prob, None
+
+
+def respace_ladder(betas: "list[float]", reject: "list[float] | np.ndarray", floor: float = 1e-3) -> list[float]:
+    r"""Move the inner inverse temperatures so that every neighbouring pair rejects exchanges equally.
+
+    The schedule adaptation of non-reversible parallel tempering (Syed, Bouchard-Côté,
+    Deligiannidis & Doucet 2022, JRSS-B): the rejection rate :math:`r_i` measured between rungs
+    i and i + 1 estimates the *communication barrier* :math:`\Lambda` accumulated between their
+    inverse temperatures; the cumulative barrier :math:`\Lambda(eta_i) = \sum_{j<i} r_j` is
+    interpolated (piecewise linearly in :math:`\logeta`, the coordinate of a geometric ladder)
+    and inverted at R equally spaced levels, so each new pair holds :math:`\Lambda / (R-1)` of it.
+    The ends (1 and the hottest :math:`eta`) stay where they are.
+
+    Parameters
+    ----------
+    betas : list of float
+        The current ladder, :math:`1 = eta_0 > eta_1 > \dots > eta_{R-1} > 0`.
+    reject : array of float, length R - 1
+        Each neighbouring pair's estimated rejection rate (1 - mean acceptance probability).
+    floor : float, default 1e-3
+        Rates below it count as ``floor``, so the cumulative barrier is strictly increasing and the
+        new ladder strictly decreasing.
+
+    Returns
+    -------
+    list of float
+        The new ladder, strictly decreasing, with the same ends.
+    """
+    b = np.asarray(betas, dtype=np.float64)
+    r = np.asarray(reject, dtype=np.float64)
+    if r.shape != (b.size - 1,) or not np.isfinite(r).all():
+        raise ValueError(f"reject needs one finite rate per neighbouring pair ({b.size - 1}), got {r!r}")
+    cum = np.concatenate([[0.0], np.cumsum(np.clip(r, floor, None))])
+    levels = np.linspace(0.0, cum[-1], b.size)
+    new = np.exp(np.interp(levels, cum, np.log(b)))
+    new[0], new[-1] = b[0], b[-1]
+    return [float(v) for v in new]
+
+
+class _ReplicaTracker:
+    """Which replica (the lineage of one state as exchanges move it) sits in each row, and its
+    journeys between the coldest and the hottest rung.
+
+    ``replica[i]`` is the replica in row i.  A replica's label is the last end of the ladder it
+    visited: 0 neither yet, 1 the coldest (beta = 1), 2 the hottest after the coldest, 3 the hottest
+    before any visit to the coldest.  When a replica labelled 2 or 3 reaches the coldest rung it
+    brings the posterior a state that has been through the hottest rung (an *arrival from the hot
+    end*); labelled 2 it also completes a *round trip* (coldest, hottest, coldest), the unit in
+    which Katzgraber et al. (2006) and Syed et al. (2022) measure parallel tempering.  Counts are
+    kept per phase (0 warm-up, 1 sampling) on the device.
+    """
+
+    def __init__(self, k: int, rungs: int, device: torch.device) -> None:
+        self.kept = k // rungs
+        self.replica = torch.arange(k, device=device)
+        self.label = torch.zeros(k, dtype=torch.int8, device=device)
+        self.counts = torch.zeros(2, 2, dtype=torch.int64, device=device)  # [phase, (round trips, arrivals)]
+
+    def update(self, perm: torch.Tensor | None, phase: int) -> None:
+        if perm is not None:
+            self.replica = self.replica[perm]
+        cold, hot = self.replica[: self.kept], self.replica[-self.kept :]
+        lab = self.label[cold]
+        self.counts[phase, 0] += (lab == 2).sum()
+        self.counts[phase, 1] += (lab >= 2).sum()
+        self.label[cold] = 1
+        lab = self.label[hot]
+        self.label[hot] = torch.where(lab == 1, torch.full_like(lab, 2), torch.where(lab == 0, torch.full_like(lab, 3), lab))
 
 
 class _Sampler:
@@ -669,8 +744,13 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
         beta_rows = torch.tensor(betas, dtype=x.dtype, device=device).repeat_interleave(kept)
         tempered = _Tempered(lj, beta_rows)
     sampler = _Sampler(tempered if tempered is not None else lj, theta, gen, float(options["divergence_threshold"]))
-    swap_sum = torch.zeros(max(rungs - 1, 0), dtype=torch.float64, device=device)
-    swap_count = np.zeros(max(rungs - 1, 0), dtype=np.int64)
+    # exchange acceptance summed per pair: [whole run, sampling phase, current ladder window]
+    swap_sum = torch.zeros(3, max(rungs - 1, 0), dtype=torch.float64, device=device)
+    swap_count = np.zeros((3, max(rungs - 1, 0)), dtype=np.int64)
+    tracker = _ReplicaTracker(k, rungs, device) if tempered is not None else None
+    initial_betas = list(betas)
+    ladder_ends = set(warmup_windows(warm)) if options["adapt_temperatures"] and rungs > 2 else set()
+    ladder_start = _window_start(warm)
     target, cap = float(options["target_accept_prob"]), int(options["max_num_steps"])
     step = options["step_size"]
     search_grads = 0
@@ -697,6 +777,7 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
     rows = {name: torch.zeros(total, kept, dtype=torch.float64, device=device)
             for name in ("accept_prob", "energy", "log_joint")}
     diverging_rows = torch.zeros(total, kept, dtype=torch.bool, device=device)
+    replica_rows = torch.zeros(total, kept, dtype=torch.int64, device=device) if tracker is not None else None
     step_row = np.zeros(total)
     length_row = np.zeros(total)  # the unjittered trajectory length T of each iteration
     num_steps_row = np.zeros(total, dtype=np.int64)
@@ -720,9 +801,13 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
         theta0, proposal, p1, accept_prob, diverging, energy = sampler.transition(
             step if tempered is None else step_rows, n)
         if tempered is not None:
-            lower, prob = _swap(sampler, tempered, rungs, it % 2, gen)
-            swap_sum[lower] += prob.double().sum(-1)
-            swap_count[it % 2 : rungs - 1 : 2] += kept  # the pairs proposed: known from the parity
+            lower, prob, perm = _swap(sampler, tempered, rungs, it % 2, gen)
+            tracker.update(perm, int(it >= warm))
+            replica_rows[it] = tracker.replica[:kept]
+            for j in (0, 1 if it >= warm else None, 2 if ladder_ends and ladder_start <= it < warm else None):
+                if j is not None:
+                    swap_sum[j, lower] += prob.double().sum(-1)
+                    swap_count[j, it % 2 : rungs - 1 : 2] += kept  # the pairs proposed: known from the parity
         step_row[it], num_steps_row[it], length_row[it] = step, n, trajectory_length
         rows["accept_prob"][it] = accept_prob[:kept]
         rows["energy"][it] = energy[:kept]
@@ -745,6 +830,17 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
             trajectory_length = min(max(math.exp(traj.log_t_avg), step), cap * step)
             if windows and it >= window_start:
                 window.add(sampler.theta)
+            if (it + 1) in ladder_ends:
+                # the inner rungs move to equalise the exchange rejection measured since the last
+                # move; every row's tempered log joint and gradient are recomputed (counted)
+                rates = swap_sum[2].cpu().numpy() / np.maximum(swap_count[2], 1)
+                betas = respace_ladder(betas, 1.0 - rates)
+                tempered.beta = torch.tensor(betas, dtype=x.dtype, device=device).repeat_interleave(kept)
+                sampler.logp, sampler.grad = tempered.value_and_grad(sampler.theta)
+                sampler.gradients += k
+                swap_sum[2].zero_()
+                swap_count[2] = 0
+                ladder_start = it + 1
             if (it + 1) in windows:
                 sampler.inv_mass = window.variance().to(x.dtype)
                 window = WindowVariance(options["mass_matrix"], groups=rungs)
@@ -794,9 +890,22 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
         "num_chains": kept,
         "num_chains_all_rungs": k,
         "temperatures": betas,
+        "temperatures_initial": initial_betas,
         "step_size_rungs": [float(v) for v in steps],
-        # mean acceptance probability of the exchanges proposed between rungs r and r + 1
-        "swap_accept_prob": [float(v) for v in (swap_sum.cpu().numpy() / np.maximum(swap_count, 1))],
+    }
+    rates = swap_sum.cpu().numpy() / np.maximum(swap_count, 1)
+    counts = tracker.counts.cpu().numpy() if tracker is not None else np.zeros((2, 2), dtype=np.int64)
+    diagnostics.update({
+        # mean acceptance probability of the exchanges proposed between rungs r and r + 1, over the
+        # whole run and over the sampling phase alone (the ladder's final form when it is adapted)
+        "swap_accept_prob": [float(v) for v in rates[0]],
+        "swap_accept_prob_sampling": [float(v) for v in rates[1]],
+        # replicas that went coldest -> hottest -> coldest, and states reaching the beta = 1 rung
+        # after a visit to the hottest one, in the sampling phase (and in warm-up)
+        "round_trips": int(counts[1, 0]),
+        "round_trips_warmup": int(counts[0, 0]),
+        "hot_arrivals": int(counts[1, 1]),
+        "hot_arrivals_warmup": int(counts[0, 1]),
         "num_warmup": warm,
         "num_samples": draws,
         "step_size": float(step),
@@ -817,7 +926,7 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
         "cpu_time_s": cpu,
         "compile_s": float(compile_s),
         "ebfmi": [float(e) for e in ebfmi(stats["energy"][:, warm:])],
-    }
+    })
     capped_length = wanted_length > cap * step * (1 + 1e-12)
     diagnostics["trajectory_length_wanted"] = float(wanted_length)
     diagnostics["trajectory_length_capped"] = bool(capped_length)
@@ -834,6 +943,9 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
             "shortened; raise max_num_steps or check the adapted step size", UserWarning, stacklevel=3)
     posterior.diagnostics = diagnostics
     posterior.adaptation = {"step_size": step_row, "trajectory_length": length_row, "num_steps": num_steps_row}
+    if replica_rows is not None:
+        # [kept chains, iterations]: the replica (0 .. K-1, its starting row) in each beta = 1 slot
+        posterior.adaptation["replica"] = replica_rows.t().cpu().numpy()
     diagnostics.update(posterior.convergence_summary(x[: options["diagnostic_points"]]))
     _certify(posterior, x[: options["diagnostic_points"]])
     return posterior
