@@ -116,6 +116,7 @@ def run_split(name: str, split: int, args: argparse.Namespace) -> dict:
         "swap_accept_prob_sampling": d["swap_accept_prob_sampling"],
         "round_trips": d["round_trips"], "hot_arrivals": d["hot_arrivals"],
         "round_trips_warmup": d["round_trips_warmup"], "hot_arrivals_warmup": d["hot_arrivals_warmup"],
+        "ladder_span": d["ladder_span"],
         "mean_num_steps_sampling": d["mean_num_steps_sampling"],
         "chain_gradients": post.cost.gradient_evaluations, "cpu_s": post.cost.cpu_time_s,
         "wall_s": post.cost.wall_time_s, "device": post.cost.device,

@@ -992,6 +992,9 @@ def test_replica_tracker_counts_round_trips_and_arrivals_from_the_hot_end():
         t.update(perm, phase)
         assert t.replica.tolist() == rows
         assert t.counts.tolist() == counts
+    # sampling phase (the last four updates): replica 0 went from rung 0 to 2, replica 1 from 2 to 0,
+    # replica 2 moved between rungs 1 and 0
+    assert t.span.tolist() == [2, 2, 1]
 
 
 def test_adapted_ladder_equalises_exchanges_and_keeps_the_posterior(blr):
@@ -1017,6 +1020,9 @@ def test_adapted_ladder_equalises_exchanges_and_keeps_the_posterior(blr):
     rates = a["swap_accept_prob_sampling"]
     assert min(rates) > 0.05 and max(rates) / min(rates) < 2, rates
     assert a["round_trips"] >= 20 and a["hot_arrivals"] >= a["round_trips"]
+    # how far states travel in the sampling phase (measured: median span 2 rungs fixed, 3 = the
+    # whole ladder adapted)
+    assert f["ladder_span"]["median"] <= 2 and a["ladder_span"]["median"] == 3
     for post in (fixed, adapted):
         assert_moments(blr_draws(post), blr.posterior.mean.numpy(), blr.posterior.covariance.numpy())
         replica = post.adaptation["replica"]  # [16 beta = 1 slots, 500 iterations]

@@ -534,18 +534,34 @@ class _ReplicaTracker:
     brings the posterior a state that has been through the hottest rung (an *arrival from the hot
     end*); labelled 2 it also completes a *round trip* (coldest, hottest, coldest), the unit in
     which Katzgraber et al. (2006) and Syed et al. (2022) measure parallel tempering.  Counts are
-    kept per phase (0 warm-up, 1 sampling) on the device.
+    kept per phase (0 warm-up, 1 sampling) on the device.  ``span`` is, per replica, the number of
+    rungs between the coldest and the hottest it occupied in the sampling phase: how far states
+    travel along the ladder at all.
     """
 
     def __init__(self, k: int, rungs: int, device: torch.device) -> None:
         self.kept = k // rungs
         self.replica = torch.arange(k, device=device)
+        self.row_rung = torch.arange(k, device=device) // self.kept
         self.label = torch.zeros(k, dtype=torch.int8, device=device)
         self.counts = torch.zeros(2, 2, dtype=torch.int64, device=device)  # [phase, (round trips, arrivals)]
+        self.lo = self.hi = None  # per replica, the coldest / hottest rung of the sampling phase
+
+    @property
+    def span(self) -> torch.Tensor:
+        """``[K]``: hottest minus coldest rung each replica occupied in the sampling phase."""
+        return self.hi - self.lo if self.lo is not None else torch.zeros_like(self.replica)
 
     def update(self, perm: torch.Tensor | None, phase: int) -> None:
         if perm is not None:
             self.replica = self.replica[perm]
+        if phase == 1:
+            rung = torch.empty_like(self.replica)
+            rung[self.replica] = self.row_rung  # each replica's rung now
+            if self.lo is None:
+                self.lo, self.hi = rung, rung
+            else:
+                self.lo, self.hi = torch.minimum(self.lo, rung), torch.maximum(self.hi, rung)
         cold, hot = self.replica[: self.kept], self.replica[-self.kept :]
         lab = self.label[cold]
         self.counts[phase, 0] += (lab == 2).sum()
@@ -906,6 +922,9 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
         "round_trips_warmup": int(counts[0, 0]),
         "hot_arrivals": int(counts[1, 1]),
         "hot_arrivals_warmup": int(counts[0, 1]),
+        # how many rungs each replica spanned in the sampling phase: median and largest
+        "ladder_span": ({"median": float(tracker.span.double().median()), "max": int(tracker.span.max())}
+                        if tracker is not None else {"median": 0.0, "max": 0}),
         "num_warmup": warm,
         "num_samples": draws,
         "step_size": float(step),
