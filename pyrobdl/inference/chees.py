@@ -665,9 +665,9 @@ def _compile(lj: FlatLogJoint, k: int, option: bool | str) -> float:
     return lj.compile(k) if option else 0.0
 
 
-def _step_rows(steps: list[float], per_rung: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The ``[K, 1]`` step of every row: rung r's step for its ``per_rung`` consecutive rows."""
-    return torch.tensor(steps, dtype=dtype, device=device).repeat_interleave(per_rung).unsqueeze(-1)
+def _rung_rows(values: list[float], per_rung: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``[K]``: rung r's value (inverse temperature, step size) for its ``per_rung`` consecutive rows."""
+    return torch.tensor(values, dtype=dtype, device=device).repeat_interleave(per_rung)
 
 
 def _harmonic_mean(prob: torch.Tensor) -> float:
@@ -757,10 +757,9 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
     kept = k // rungs
     tempered = None
     if rungs > 1:
-        beta_rows = torch.tensor(betas, dtype=x.dtype, device=device).repeat_interleave(kept)
-        tempered = _Tempered(lj, beta_rows)
+        tempered = _Tempered(lj, _rung_rows(betas, kept, x.dtype, device))
     sampler = _Sampler(tempered if tempered is not None else lj, theta, gen, float(options["divergence_threshold"]))
-    # exchange acceptance summed per pair: [whole run, sampling phase, current ladder window]
+    # exchange acceptance summed per pair: [warm-up, sampling, current ladder window]
     swap_sum = torch.zeros(3, max(rungs - 1, 0), dtype=torch.float64, device=device)
     swap_count = np.zeros((3, max(rungs - 1, 0)), dtype=np.int64)
     tracker = _ReplicaTracker(k, rungs, device) if tempered is not None else None
@@ -780,7 +779,7 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
     # the posterior's, which also sets the number of leapfrog steps
     steps = [step] * rungs
     das = [_DualAveraging.start(step) for _ in steps]
-    step_rows = _step_rows(steps, kept, x.dtype, device) if tempered is not None else None
+    step_rows = _rung_rows(steps, kept, x.dtype, device).unsqueeze(-1) if tempered is not None else None
     traj = _TrajectoryAdam(log_t=math.log(options["init_trajectory_length"]), lr=float(options["trajectory_lr"]))
     traj.log_t_avg = traj.log_t
     windows = set(warmup_windows(warm)) if options["adapt_mass_matrix"] else set()
@@ -820,10 +819,10 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
             lower, prob, perm = _swap(sampler, tempered, rungs, it % 2, gen)
             tracker.update(perm, int(it >= warm))
             replica_rows[it] = tracker.replica[:kept]
-            for j in (0, 1 if it >= warm else None, 2 if ladder_ends and ladder_start <= it < warm else None):
-                if j is not None:
-                    swap_sum[j, lower] += prob.double().sum(-1)
-                    swap_count[j, it % 2 : rungs - 1 : 2] += kept  # the pairs proposed: known from the parity
+            in_ladder_window = bool(ladder_ends) and ladder_start <= it < warm
+            for j in (int(it >= warm), 2) if in_ladder_window else (int(it >= warm),):
+                swap_sum[j, lower] += prob.double().sum(-1)
+                swap_count[j, it % 2 : rungs - 1 : 2] += kept  # the pairs proposed: known from the parity
         step_row[it], num_steps_row[it], length_row[it] = step, n, trajectory_length
         rows["accept_prob"][it] = accept_prob[:kept]
         rows["energy"][it] = energy[:kept]
@@ -851,7 +850,7 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
                 # move; every row's tempered log joint and gradient are recomputed (counted)
                 rates = swap_sum[2].cpu().numpy() / np.maximum(swap_count[2], 1)
                 betas = respace_ladder(betas, 1.0 - rates)
-                tempered.beta = torch.tensor(betas, dtype=x.dtype, device=device).repeat_interleave(kept)
+                tempered.beta = _rung_rows(betas, kept, x.dtype, device)
                 sampler.logp, sampler.grad = tempered.value_and_grad(sampler.theta)
                 sampler.gradients += k
                 swap_sum[2].zero_()
@@ -876,7 +875,7 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
                 wanted_length = math.exp(traj.log_t_avg)
                 trajectory_length = min(max(wanted_length, step), cap * step)
             if tempered is not None:
-                step_rows = _step_rows(steps, kept, x.dtype, device)
+                step_rows = _rung_rows(steps, kept, x.dtype, device).unsqueeze(-1)
         else:
             samples[it - warm] = sampler.theta[:kept]
         if bar is not None:
@@ -909,7 +908,8 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
         "temperatures_initial": initial_betas,
         "step_size_rungs": [float(v) for v in steps],
     }
-    rates = swap_sum.cpu().numpy() / np.maximum(swap_count, 1)
+    sums = swap_sum.cpu().numpy()
+    rates = [(sums[0] + sums[1]) / np.maximum(swap_count[0] + swap_count[1], 1), sums[1] / np.maximum(swap_count[1], 1)]
     counts = tracker.counts.cpu().numpy() if tracker is not None else np.zeros((2, 2), dtype=np.int64)
     diagnostics.update({
         # mean acceptance probability of the exchanges proposed between rungs r and r + 1, over the
