@@ -70,12 +70,17 @@ def prefix_certifications(post: MCMCPosterior, held_back: torch.Tensor, prefixes
     return rows
 
 
-def run_split(name: str, split: int, args: argparse.Namespace) -> dict:
-    data = datasets.load_uci(name, split, data_dir=args.data_dir)
-    model = pyrobdl.BayesianMLP(
-        data.x_train.shape[1], (HIDDEN,), 1, activation="relu", prior=priors.Gaussian(1.0),
+def make_model(num_features: int) -> pyrobdl.BayesianMLP:
+    """The reference protocol's network: 1 x 50 ReLU, N(0, 1) weights, learned noise precision."""
+    return pyrobdl.BayesianMLP(
+        num_features, (HIDDEN,), 1, activation="relu", prior=priors.Gaussian(1.0),
         likelihood=likelihoods.GaussianLearnedPrecision(CONCENTRATION, RATE),
     )
+
+
+def run_split(name: str, split: int, args: argparse.Namespace) -> dict:
+    data = datasets.load_uci(name, split, data_dir=args.data_dir)
+    model = make_model(data.x_train.shape[1])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         post = pyrobdl.fit(
