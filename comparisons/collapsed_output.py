@@ -19,7 +19,7 @@ draws' cross-chain variance, jittered ``--steps`` leapfrog steps, step size adap
 ``--adapt`` iterations, ``--samples`` kept, float64, one thread) runs from the same warm states
 — chees's chains after 300 + 20 iterations — on the full and on the collapsed coordinates.
 Reported: step size, split R-hat and bulk ESS of the function at the held-back inputs (the
-split's first 50 test inputs, as ``uci_references.py`` certifies), each chain's own ESS of the
+split's first ``--cert-points`` test inputs, as ``uci_references.py`` certifies; yacht has 31), each chain's own ESS of the
 log-likelihood, and cost (the collapsed gradient is plain autograd, the full one pyrobdl's
 hand-written kernel, so CPU seconds favour the full path).
 
