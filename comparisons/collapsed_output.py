@@ -35,7 +35,6 @@ import math
 import os
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -43,11 +42,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dense_metric import run_hmc  # noqa: E402
-from posterior_geometry import hessian, spectrum  # noqa: E402
-from uci_references import make_model  # noqa: E402
+from posterior_geometry import chees_draws, hessian, spectrum  # noqa: E402
 
-import pyrobdl  # noqa: E402
-from pyrobdl import datasets  # noqa: E402
 from pyrobdl.diagnostics import convergence  # noqa: E402
 from pyrobdl.flat import FlatLogJoint  # noqa: E402
 
@@ -147,19 +143,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
 
-    data = datasets.load_uci(args.dataset, args.split, data_dir=args.data_dir)
-    model = make_model(data.x_train.shape[1])
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", category=UserWarning)
-        post = pyrobdl.fit(model, data.x_train, data.y_train, method="chees", num_chains=args.chains,
-                           num_warmup=300, num_samples=20, seed=args.seed, progress=False, compile=True,
-                           chunk_size=None)
-    x, y = data.x_train.double(), data.y_train.double()
-    lj = FlatLogJoint(model, x, y)
+    data, lj, _, theta = chees_draws(args, num_warmup=300, num_samples=20)
+    x, y = lj.x, lj.y
     col = Collapsed(lj, x, y)
-    c, d = post.num_chains, post.num_draws
-    theta = lj.layout.pack({n: v.reshape(c * d, *v.shape[2:]) for n, v in post.samples.items()}).double()
-    theta = theta.view(c, d, -1)
+    c, d = theta.shape[:2]
     start = theta[:, -1].clone()
 
     # the identity: collapsed = full log joint - log conditional density of the output layer, any w

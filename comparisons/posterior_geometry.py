@@ -82,6 +82,22 @@ def spectrum(h: torch.Tensor, metric: torch.Tensor, covariance: bool = False) ->
             "lambda_min": float(e.min()), "sqrt_condition": float((e.max() / pos.min()).sqrt())}
 
 
+def chees_draws(args: argparse.Namespace, num_warmup: int, num_samples: int, compile: bool | str = True):
+    """Run chees on ``args.dataset``/``args.split`` with the reference model; returns the data, the
+    float64 ``FlatLogJoint``, the posterior and its draws as flat vectors ``[chains, draws, P]``."""
+    data = datasets.load_uci(args.dataset, args.split, data_dir=args.data_dir)
+    model = make_model(data.x_train.shape[1])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=UserWarning)
+        post = pyrobdl.fit(model, data.x_train, data.y_train, method="chees", num_chains=args.chains,
+                           num_warmup=num_warmup, num_samples=num_samples, seed=args.seed, progress=False,
+                           compile=compile, chunk_size=None)
+    lj = FlatLogJoint(model, data.x_train.double(), data.y_train.double())
+    c, d = post.num_chains, post.num_draws
+    theta = lj.layout.pack({n: v.reshape(c * d, *v.shape[2:]) for n, v in post.samples.items()}).double()
+    return data, lj, post, theta.view(c, d, -1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data-dir", required=True)
@@ -96,18 +112,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
 
-    data = datasets.load_uci(args.dataset, args.split, data_dir=args.data_dir)
-    model = make_model(data.x_train.shape[1])
     start, cpu0 = time.perf_counter(), time.process_time()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", category=UserWarning)
-        post = pyrobdl.fit(model, data.x_train, data.y_train, method="chees", num_chains=args.chains,
-                           num_warmup=args.warmup, num_samples=args.samples, seed=args.seed, progress=False,
-                           compile=args.compile, chunk_size=None)
-    lj = FlatLogJoint(model, data.x_train.double(), data.y_train.double())
-    c, d = post.num_chains, post.num_draws
-    theta = lj.layout.pack({n: v.reshape(c * d, *v.shape[2:]) for n, v in post.samples.items()}).double()
-    theta = theta.view(c, d, -1)
+    data, lj, post, theta = chees_draws(args, args.warmup, args.samples, args.compile)
+    c, d = theta.shape[:2]
     p = theta.shape[-1]
     flat = theta.reshape(c * d, p)
     diagonal = flat.var(0)
