@@ -29,7 +29,6 @@ hand-written kernel, so CPU seconds favour the full path).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -41,7 +40,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dense_metric import run_hmc  # noqa: E402
+from dense_metric import hmc_parser, run_hmc  # noqa: E402
 from posterior_geometry import chees_draws, hessian, spectrum  # noqa: E402
 
 from pyrobdl.diagnostics import convergence  # noqa: E402
@@ -129,17 +128,9 @@ def function_space(lj: FlatLogJoint, draws: torch.Tensor, x_held: torch.Tensor) 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data-dir", required=True)
-    parser.add_argument("--dataset", default="yacht")
-    parser.add_argument("--split", type=int, default=0)
-    parser.add_argument("--chains", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=256, help="mean leapfrog steps per iteration")
-    parser.add_argument("--adapt", type=int, default=100)
-    parser.add_argument("--samples", type=int, default=200)
+    parser = hmc_parser(__doc__.splitlines()[0])
     parser.add_argument("--cert-points", type=int, default=50)
     parser.add_argument("--geometry-chains", type=int, default=4, help="chains whose Hessians are compared")
-    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(1)
 

@@ -89,8 +89,9 @@ def mixing(lj, draws):
                                "ess_per_chain": own(orbit)}}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def hmc_parser(description: str) -> argparse.ArgumentParser:
+    """The arguments of the plain-HMC probes: data, chains, steps, adaptation, draws, seed."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--data-dir", required=True)
     parser.add_argument("--dataset", default="yacht")
     parser.add_argument("--split", type=int, default=0)
@@ -99,7 +100,11 @@ def main() -> None:
     parser.add_argument("--adapt", type=int, default=100)
     parser.add_argument("--samples", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = hmc_parser(__doc__.splitlines()[0]).parse_args()
     torch.set_num_threads(1)
 
     _, lj, _, theta = chees_draws(args, num_warmup=300, num_samples=20)
