@@ -127,10 +127,11 @@ def main() -> None:
     }
     rows = []
     for name, (momentum, velocity, step) in kinds.items():
-        cpu = time.process_time()
+        cpu, wall = time.process_time(), time.perf_counter()
         draws, step, accept, gradients = run_hmc(lj, start, momentum, velocity, step, args, seed=args.seed + 1)
         rows.append({"metric": name, "step_size": step, "accept": accept, **mixing(lj, draws),
-                     "chain_gradients": gradients, "cpu_s": time.process_time() - cpu})
+                     "chain_gradients": gradients, "cpu_s": time.process_time() - cpu,
+                     "wall_s": time.perf_counter() - wall})
         print(json.dumps(rows[-1]), flush=True)
     print(json.dumps({"dataset": args.dataset, "split": args.split, "P": start.shape[1], "chains": c,
                       "metric_cpu_s": metric_cpu, "load_average": os.getloadavg()}))
