@@ -1111,6 +1111,9 @@ def test_cuda_matches_cpu_in_distribution(blr):
         cpu = pyrobdl.fit(blr_model(), blr.x_train, blr.y_train, device="cpu", **kw)
         gpu = pyrobdl.fit(blr_model(), blr.x_train, blr.y_train, device="cuda", **kw)
     assert gpu.samples["layers.0.weight"].device.type == "cuda" and gpu.cost.device.startswith("cuda")
+    # the default compile="auto": compiled on CUDA (no fallback), eager on CPU
+    assert gpu.settings["compile"] == cpu.settings["compile"] == "auto"
+    assert gpu.diagnostics["compile_s"] > 0 and cpu.diagnostics["compile_s"] == 0.0
     # function draws at inputs on the CPU (as a user holds them): moved to the draws' device
     f_gpu = gpu.function_draws(blr.x_train[:5])
     assert f_gpu.device.type == "cuda" and f_gpu.shape == (32, 200, 5, 1)
@@ -1119,3 +1122,21 @@ def test_cuda_matches_cpu_in_distribution(blr):
     diff = np.abs(a.mean((0, 1)) - b.mean((0, 1)))
     assert (diff <= Z * np.sqrt(se[0] ** 2 + se[1] ** 2)).all(), diff
     assert_moments(b, blr.posterior.mean.numpy(), blr.posterior.covariance.numpy())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif("cuda" not in DEVICES, reason="needs a CUDA device")
+def test_cuda_tempered_chains_sample_the_exact_posterior(blr):
+    """``test_tempered_chains_sample_the_exact_posterior`` on CUDA: the ladder's exchanges, its
+    per-rung step sizes and the returned beta = 1 rung all stay on the device (compiled, the
+    default there), and that rung keeps the exact BLR posterior."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="the chees posterior is not certified", category=UserWarning)
+        posterior = pyrobdl.fit(blr_model(), blr.x_train, blr.y_train, method="chees", num_chains=64,
+                                num_warmup=300, num_samples=200, seed=0, progress=False, temperatures=LADDER,
+                                device="cuda")
+    d = posterior.diagnostics
+    assert posterior.samples["layers.0.weight"].device.type == "cuda" and d["compile_s"] > 0
+    assert posterior.num_chains == 16 and d["num_chains_all_rungs"] == 64
+    assert len(d["swap_accept_prob"]) == 3 and all(0.2 < a < 0.9 for a in d["swap_accept_prob"])
+    assert_moments(blr_draws(posterior), blr.posterior.mean.numpy(), blr.posterior.covariance.numpy())
