@@ -300,6 +300,10 @@ class FlatLogJoint:
             with warnings.catch_warnings():
                 # torch 2.13's compiler imports its own deprecated torch.jit.script_method helpers
                 warnings.simplefilter("ignore", DeprecationWarning)
+                # Inductor's advice to enable TF32 matmuls on CUDA (a UserWarning): taking it would change
+                # float32 results, and a caller's warnings-as-errors filter must not turn it into a
+                # compilation failure (seen on an H200 under pytest's filterwarnings = error)
+                warnings.filterwarnings("ignore", message=".*TensorFloat32 tensor cores", category=UserWarning)
                 fn = torch.compile(lambda theta: self._value_and_grad(theta, None, True, functional=True), dynamic=False)
                 for k in sorted(sizes):
                     fn(torch.zeros(k, self.size, dtype=self.dtype, device=self.device))  # shapes matter, not values

@@ -5,6 +5,7 @@ to its autograd twin (minibatches, chunks); the layout; refusals; prior draws; d
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -275,6 +276,34 @@ def test_compile_failure_names_the_fix(monkeypatch):
         lj.compile(4)
     assert lj._compiled is None  # still usable, eagerly
     lj.value_and_grad(lj.sample_prior(2))
+
+
+def test_compile_survives_inductors_tf32_advice_under_warnings_as_errors(monkeypatch):
+    """On an H200, Inductor warns (UserWarning) that TF32 matmuls are available but not enabled;
+    under pytest's ``filterwarnings = error`` that warning became an InductorError and compile
+    failed.  A compiler that emits it must compile; any other warning still reaches the caller's
+    filter (here: an error)."""
+    model = make_model("scalar", "gaussian-1", (5,), "relu")
+    x, y = make_data(model)
+
+    def advising(message):
+        def fake_compile(fn, **kwargs):
+            def run(*a):
+                warnings.warn(message, UserWarning)
+                return fn(*a)
+            return run
+        return fake_compile
+
+    tf32 = ("TensorFloat32 tensor cores for float32 matrix multiplication available but not enabled. "
+            "Consider setting `torch.set_float32_matmul_precision('high')` for better performance.")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        monkeypatch.setattr(torch, "compile", advising(tf32))
+        lj = FlatLogJoint(model, x, y)
+        assert lj.compile(4) > 0 and lj._compiled is not None
+        monkeypatch.setattr(torch, "compile", advising("something else"))
+        with pytest.raises(RuntimeError, match="torch.compile of the flat log joint failed.*something else"):
+            FlatLogJoint(model, x, y).compile(4)
 
 
 def test_auto_chunk_size_is_the_documented_power_of_two():
