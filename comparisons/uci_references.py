@@ -85,7 +85,7 @@ def run_split(name: str, split: int, args: argparse.Namespace) -> dict:
         warnings.simplefilter("always")
         post = pyrobdl.fit(
             model, data.x_train, data.y_train, method="chees", num_chains=args.chains,
-            num_warmup=args.warmup, num_samples=args.samples, seed=args.seed, progress=False,
+            num_warmup=args.warmup, num_samples=args.samples, seed=args.seed, progress=args.progress,
             init_strategy=args.init_strategy, compile=args.compile,
             superchain_size=args.superchain if args.superchain_starts else 1, chunk_size=args.chunk_size,
             mass_matrix=args.mass_matrix, device=args.device, max_num_steps=args.max_num_steps,
@@ -188,6 +188,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="where to sample: 'cpu' or 'cuda' (fit's device)")
     parser.add_argument("--cert-prefixes", nargs="*", type=int, default=[],
                         help="also certify the first N sampling iterations of each chain, for each N")
+    parser.add_argument("--progress", action="store_true",
+                        help="show chees's progress bar (iteration, step size, T, steps) on stderr; in a log "
+                             "file set TQDM_MININTERVAL (seconds) to keep it short")
     parser.add_argument("--out", required=True)
     parser.add_argument("--table", action="store_true", help="print the table of --out and exit")
     args = parser.parse_args()

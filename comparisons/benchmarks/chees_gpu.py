@@ -130,6 +130,7 @@ def e2e(x, y, device: torch.device, args, out: Path) -> None:
     for k in args.chees_chains:
         samples = max(args.chees_min_samples, math.ceil(args.chees_draws / k))
         for compiled in ((True,) if k in args.compile_chains else (False,)):
+            print(f"e2e K={k}: {args.chees_warmup} + {samples}, compile={compiled}", file=sys.stderr, flush=True)
             if compiled:  # timed with the compiled program cached, as NumPyro's reference run is
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
@@ -138,7 +139,8 @@ def e2e(x, y, device: torch.device, args, out: Path) -> None:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 post = pyrobdl.fit(make_model(), x, y, method="chees", num_chains=k, num_warmup=args.chees_warmup,
-                                   num_samples=samples, seed=args.seed, progress=False, diagnostic_points=NUM_EVAL,
+                                   num_samples=samples, seed=args.seed, progress=args.progress,
+                                   diagnostic_points=NUM_EVAL,
                                    compile=compiled, device=str(device))
             d = post.diagnostics
             f = post.function_draws(torch.as_tensor(x[:NUM_EVAL]))[..., 0].double().cpu().numpy()
@@ -199,6 +201,8 @@ def main() -> None:
                         help="for these K also time the torch.compile'd log joint (micro), and run fit(compile=True) "
                              "instead of the eager fit (e2e)")
     parser.add_argument("--numpyro-results", default=None)
+    parser.add_argument("--progress", action="store_true",
+                        help="e2e: show chees's progress bar on stderr (in a log file set TQDM_MININTERVAL)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     out = Path(args.out)
