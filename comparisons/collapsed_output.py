@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dense_metric import hmc_parser, run_hmc  # noqa: E402
+from dense_metric import diagonal_hmc, hmc_parser  # noqa: E402
 from posterior_geometry import chees_draws, hessian, spectrum  # noqa: E402
 
 from pyrobdl.diagnostics import convergence  # noqa: E402
@@ -127,6 +127,21 @@ def function_space(lj: FlatLogJoint, draws: torch.Tensor, x_held: torch.Tensor) 
             "ell_ess_per_chain": own}
 
 
+def report_runs(key: str, runs: dict, lj: FlatLogJoint, x_held: torch.Tensor, extra=None) -> list[dict]:
+    """Run each ``runs[name]()`` (returning draws, step size, acceptance, chain-gradients), time it
+    (process CPU and wall seconds) and print one JSON row with ``function_space`` of its draws and
+    ``extra(draws)`` if given."""
+    rows = []
+    for name, run in runs.items():
+        cpu, wall = time.process_time(), time.perf_counter()
+        draws, step, accept, gradients = run()
+        rows.append({key: name, "step_size": step, "accept": accept, **function_space(lj, draws, x_held),
+                     **(extra(draws) if extra else {}), "chain_gradients": gradients,
+                     "cpu_s": time.process_time() - cpu, "wall_s": time.perf_counter() - wall})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main() -> None:
     parser = hmc_parser(__doc__.splitlines()[0])
     parser.add_argument("--cert-points", type=int, default=50)
@@ -162,26 +177,15 @@ def main() -> None:
            for kind in ("full", "collapsed")}
     print(json.dumps({"identity_relative_error": identity_error, "diagonal_metric_spectrum_median": geo}), flush=True)
 
-    x_held = data.x_test[: args.cert_points].double()
-    rows = []
-    for name in ("full", "collapsed"):
-        cpu, wall = time.process_time(), time.perf_counter()
-        if name == "full":
-            draws, step, accept, gradients = run_hmc(
-                lj, start, lambda g: torch.randn(start.shape, dtype=start.dtype, generator=g) * var_full.rsqrt(),
-                lambda p: p * var_full, 1e-3, args, seed=args.seed + 1)
-        else:
-            z0 = start[:, col.keep]
-            draws, step, accept, gradients = run_hmc(
-                col, z0, lambda g: torch.randn(z0.shape, dtype=z0.dtype, generator=g) * var_col.rsqrt(),
-                lambda p: p * var_col, 1e-3, args, seed=args.seed + 1)
-            g = torch.Generator().manual_seed(args.seed + 2)
-            k, s, _ = draws.shape
-            draws = col.complete(draws.reshape(k * s, -1), g).view(k, s, -1)
-        rows.append({"coordinates": name, "step_size": step, "accept": accept, **function_space(lj, draws, x_held),
-                     "chain_gradients": gradients, "cpu_s": time.process_time() - cpu,
-                     "wall_s": time.perf_counter() - wall})
-        print(json.dumps(rows[-1]), flush=True)
+    def collapsed():
+        z0 = start[:, col.keep]
+        draws, step, accept, gradients = diagonal_hmc(col, z0, var_col, args)
+        k, s, _ = draws.shape
+        return col.complete(draws.reshape(k * s, -1), torch.Generator().manual_seed(args.seed + 2)).view(k, s, -1), \
+            step, accept, gradients
+
+    report_runs("coordinates", {"full": lambda: diagonal_hmc(lj, start, var_full, args), "collapsed": collapsed},
+                lj, data.x_test[: args.cert_points].double())
     print(json.dumps({"dataset": args.dataset, "split": args.split, "chains": c, "load_average": os.getloadavg()}))
 
 

@@ -36,9 +36,11 @@ from posterior_geometry import abs_floor, chees_draws, hessian  # noqa: E402
 from pyrobdl.diagnostics import convergence  # noqa: E402
 
 
-def run_hmc(lj, start, momentum, velocity, step, args, seed):
+def run_hmc(lj, start, momentum, velocity, step, args, seed, between=None):
     """Plain HMC of every row of ``start`` with the given metric; the kept draws ``[K, S, P]``,
-    the final step size, the mean acceptance while sampling and the chain-gradients spent."""
+    the final step size, the mean acceptance while sampling and the chain-gradients spent.
+    ``between(theta, generator)``, if given, is a further posterior-invariant move applied to
+    every chain after each HMC transition (its new states' gradients are counted)."""
     gen = torch.Generator().manual_seed(seed)
     k = start.shape[0]
     theta = start.clone()
@@ -60,12 +62,23 @@ def run_hmc(lj, start, momentum, velocity, step, args, seed):
         ok = torch.rand(k, generator=gen, dtype=acc.dtype) < acc
         theta = torch.where(ok[:, None], t, theta)
         logp, grad = torch.where(ok, logp1, logp), torch.where(ok[:, None], grad1, grad)
+        if between is not None:
+            theta = between(theta, gen)
+            logp, grad = lj.value_and_grad(theta)
+            gradients += k
         if it < args.adapt:
             log_step += 2.0 * (float(acc.mean()) - 0.75) / math.sqrt(it + 1)
         else:
             draws.append(theta.clone())
             accepts.append(float(acc.mean()))
     return torch.stack(draws, 1), step, float(np.mean(accepts)), gradients
+
+
+def diagonal_hmc(lj, start, variance, args, between=None):
+    """``run_hmc`` with the diagonal metric ``variance`` (momentum ~ N(0, 1 / variance)), the
+    probes' first step size 1e-3 and seed ``args.seed + 1``."""
+    return run_hmc(lj, start, lambda g: torch.randn(start.shape, dtype=start.dtype, generator=g) * variance.rsqrt(),
+                   lambda p: p * variance, 1e-3, args, seed=args.seed + 1, between=between)
 
 
 def mixing(lj, draws):
