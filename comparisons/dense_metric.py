@@ -81,6 +81,15 @@ def diagonal_hmc(lj, start, variance, args, between=None):
                    lambda p: p * variance, 1e-3, args, seed=args.seed + 1, between=between)
 
 
+def orbit_positions(lj, flat):
+    """Each hidden unit's position on its ReLU rescaling orbit, log(|a_j| / |v_j|) (a_j its incoming
+    weights and bias, v_j its outgoing weights), for flat draws ``[n, P]``: ``[n, H]``."""
+    w = lj.layout.unpack(flat, constrained=False)
+    a = torch.cat([w["layers.0.weight"], w["layers.0.bias"].unsqueeze(-1)], -1)
+    v = w["layers.1.weight"].transpose(-1, -2)
+    return a.norm(dim=-1).log() - v.norm(dim=-1).log()
+
+
 def mixing(lj, draws):
     """Split R-hat and each chain's own bulk ESS (median over chains) of the log-likelihood and
     of the ReLU orbit positions log(|a_j| / |v_j|) (median over units)."""
@@ -88,10 +97,7 @@ def mixing(lj, draws):
     flat = draws.reshape(k * s, p)
     with torch.no_grad():
         ell = lj.value_and_grad(flat, prior=False)[0].view(k, s, 1).numpy()
-    w = lj.layout.unpack(flat, constrained=False)
-    a = torch.cat([w["layers.0.weight"], w["layers.0.bias"].unsqueeze(-1)], -1)
-    v = w["layers.1.weight"].transpose(-1, -2)
-    orbit = (a.norm(dim=-1).log() - v.norm(dim=-1).log()).view(k, s, -1).numpy()
+    orbit = orbit_positions(lj, flat).view(k, s, -1).numpy()
 
     def own(values):  # each chain alone (ArviZ logs that it expected two chains and computes it)
         return float(np.median([np.median(convergence(values[i : i + 1])["ess_bulk"]) for i in range(k)]))
@@ -130,18 +136,18 @@ def main() -> None:
     inverse = torch.cholesky_inverse(root)
     metric_cpu = time.process_time() - cpu0
 
-    def normal(gen):
-        return torch.randn(start.shape, dtype=start.dtype, generator=gen)
+    def dense_momentum(gen):
+        return (root @ torch.randn(start.shape, dtype=start.dtype, generator=gen).unsqueeze(-1)).squeeze(-1)
 
     kinds = {
-        "diagonal": (lambda gen: normal(gen) * variance.rsqrt(), lambda p: p * variance, 1e-3),
-        "dense per chain": (lambda gen: (root @ normal(gen).unsqueeze(-1)).squeeze(-1),
-                            lambda p: (inverse @ p.unsqueeze(-1)).squeeze(-1), 0.05),
+        "diagonal": lambda: diagonal_hmc(lj, start, variance, args),
+        "dense per chain": lambda: run_hmc(lj, start, dense_momentum, lambda p: (inverse @ p.unsqueeze(-1)).squeeze(-1),
+                                           0.05, args, seed=args.seed + 1),
     }
     rows = []
-    for name, (momentum, velocity, step) in kinds.items():
+    for name, run in kinds.items():
         cpu, wall = time.process_time(), time.perf_counter()
-        draws, step, accept, gradients = run_hmc(lj, start, momentum, velocity, step, args, seed=args.seed + 1)
+        draws, step, accept, gradients = run()
         rows.append({"metric": name, "step_size": step, "accept": accept, **mixing(lj, draws),
                      "chain_gradients": gradients, "cpu_s": time.process_time() - cpu,
                      "wall_s": time.perf_counter() - wall})

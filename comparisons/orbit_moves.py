@@ -44,7 +44,7 @@ from scipy.stats import geninvgauss
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from collapsed_output import report_runs  # noqa: E402
-from dense_metric import diagonal_hmc, hmc_parser, mixing  # noqa: E402
+from dense_metric import diagonal_hmc, hmc_parser, mixing, orbit_positions  # noqa: E402
 from posterior_geometry import chees_draws  # noqa: E402
 
 from pyrobdl.flat import FlatLogJoint  # noqa: E402
@@ -138,7 +138,7 @@ def main() -> None:
     rng = np.random.default_rng(args.seed)
     w = geninvgauss.rvs(move.p, np.sqrt(a * b)[..., None], scale=np.sqrt(b / a)[..., None],
                         size=(*a.shape, 2000), random_state=rng)
-    position = (start[:, move.incoming].norm(dim=-1).log() - start[:, move.outgoing].norm(dim=-1).log()).numpy()
+    position = orbit_positions(lj, start).numpy()
     print(json.dumps({"orbit_position_sd_given_the_function_median": float(np.median(0.5 * np.log(w).std(-1))),
                       "orbit_position_sd_between_chains_median_over_units": float(np.median(position.std(0))),
                       "unit_size_median": float(np.median(np.sqrt(a * b)))}), flush=True)
