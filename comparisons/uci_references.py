@@ -78,6 +78,14 @@ def make_model(num_features: int) -> pyrobdl.BayesianMLP:
     )
 
 
+def checkpoint_path(args: argparse.Namespace, name: str, split: int) -> str | None:
+    """The split's chees checkpoint under ``--checkpoint-dir`` (None without it): a killed run
+    rerun with the same command resumes there, and a larger ``--samples`` extends a finished one."""
+    if args.checkpoint_dir is None:
+        return None
+    return str(Path(args.checkpoint_dir) / f"{name}_split{split}_seed{args.seed}_k{args.chains}.pt")
+
+
 def run_split(name: str, split: int, args: argparse.Namespace) -> dict:
     data = datasets.load_uci(name, split, data_dir=args.data_dir)
     model = make_model(data.x_train.shape[1])
@@ -90,6 +98,7 @@ def run_split(name: str, split: int, args: argparse.Namespace) -> dict:
             superchain_size=args.superchain if args.superchain_starts else 1, chunk_size=args.chunk_size,
             mass_matrix=args.mass_matrix, device=args.device, max_num_steps=args.max_num_steps,
             temperatures=args.temperatures, adapt_temperatures=args.adapt_temperatures,
+            checkpoint=checkpoint_path(args, name, split), checkpoint_every_s=args.checkpoint_every,
         )
     total = post.num_chains * post.num_draws
     scores = evaluate(post, data.x_test, data.y_test, num_samples=total, seed=0,
@@ -115,6 +124,7 @@ def run_split(name: str, split: int, args: argparse.Namespace) -> dict:
         "ess_bulk_min": split_cert.ess_bulk_min, "ess_tail_min": split_cert.ess_tail_min,
         "divergences": split_cert.divergences, "ebfmi_min": split_cert.ebfmi_min,
         "prefixes": prefixes,
+        "resumed_at": d["resumed_at"],
         "step_size": d["step_size"], "trajectory_length": d["trajectory_length"],
         "swap_accept_prob": d["swap_accept_prob"], "num_chains_all_rungs": d["num_chains_all_rungs"],
         "step_size_rungs": d["step_size_rungs"], "temperatures_final": d["temperatures"],
@@ -191,6 +201,11 @@ def main() -> None:
     parser.add_argument("--progress", action="store_true",
                         help="show chees's progress bar (iteration, step size, T, steps) on stderr; in a log "
                              "file set TQDM_MININTERVAL (seconds) to keep it short")
+    parser.add_argument("--checkpoint-dir", default=None,
+                        help="write each split's chees state there (every --checkpoint-every seconds): the same "
+                             "command resumes a killed run, and with a larger --samples extends a finished one "
+                             "(drop its row from --out first)")
+    parser.add_argument("--checkpoint-every", type=float, default=300.0, help="seconds between checkpoint writes")
     parser.add_argument("--out", required=True)
     parser.add_argument("--table", action="store_true", help="print the table of --out and exit")
     args = parser.parse_args()

@@ -627,3 +627,46 @@ def test_stored_posterior_cycles_its_draws():
     assert out["layers.0.weight"].shape == (7, 2, 1)
     assert torch.equal(out["layers.0.weight"][3], draws["layers.0.weight"][0])
     assert post.predict(data.x_test, 3).samples.shape == (3, data.x_test.shape[0], 1)
+
+
+def test_a_run_killed_inside_a_chees_reference_resumes_that_cell(tmp_path, monkeypatch):
+    """The runner gives an in-process chees cell a checkpoint in OUT/checkpoints: a run killed
+    inside the fit (Ctrl-C here) resumes the cell at its last checkpoint, to the same draws as a
+    run never interrupted; the checkpoint is removed once the record is written."""
+    import pyrobdl.inference.chees as chees
+
+    text = (TINY.replace("[suite]", '[suite]\nreference = "chees"').replace("splits = [0, 1]", "splits = [0]")
+            + "\n[methods.chees]\nnum_chains = 4\nnum_warmup = 30\nnum_samples = 10\ncheckpoint_every_s = 0\n")
+    path = write(tmp_path, text)
+    ref_id = "gap__chees__split-0__seed-0"
+    whole = tmp_path / "whole"
+    assert run(path, whole).success
+    assert not list((whole / "checkpoints").iterdir())  # removed after the record was written
+    real, calls = chees._Sampler.transition, {"n": 0}
+
+    def transition(self, *a, **kw):
+        if calls["n"] == 17:
+            raise KeyboardInterrupt
+        calls["n"] += 1
+        return real(self, *a, **kw)
+
+    out = tmp_path / "out"
+    with monkeypatch.context() as m:
+        m.setattr(chees._Sampler, "transition", transition)
+        with pytest.raises(KeyboardInterrupt):
+            run(path, out)
+    [ckpt] = (out / "checkpoints").glob(f"{ref_id}--*.pt")
+    assert not (out / "cells" / ref_id / RESULT_FILE).exists()
+    assert run(path, out).success
+    rec, rec_whole = (read_result(o / "cells" / ref_id / RESULT_FILE) for o in (out, whole))
+    assert rec["diagnostics"]["resumed_at"] == [17] and rec_whole["diagnostics"]["resumed_at"] == []
+    assert rec["checksums"]["reference_draws.pt"] == rec_whole["checksums"]["reference_draws.pt"]
+    assert rec["metrics"] == rec_whole["metrics"]
+    assert not ckpt.exists() and not list((out / "checkpoints").iterdir())
+
+
+def test_a_suite_refuses_a_checkpoint_option(tmp_path):
+    text = (TINY.replace("splits = [0, 1]", "splits = [0]")
+            + '\n[methods.chees]\nnum_chains = 4\nnum_warmup = 5\nnum_samples = 5\ncheckpoint = "mine.pt"\n')
+    with pytest.raises(ConfigError, match=r"methods.chees.checkpoint: a suite keeps each cell's checkpoint itself"):
+        run(write(tmp_path, text), tmp_path / "out")

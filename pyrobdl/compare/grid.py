@@ -280,6 +280,9 @@ def check_plan(suite: Suite, cells: list[Cell], data_dir: str | None) -> None:
         data = loaded[c.dataset]
         if data is None:
             continue
+        if c.spec["method"]["options"].get("checkpoint") is not None:
+            problems.append(f"methods.{c.method}.checkpoint: a suite keeps each cell's checkpoint itself "
+                            "(OUT/checkpoints/<cell>.pt, for cells run in the driver's process); remove the option")
         try:
             model = build_model(c.spec["model"], data)
             meth = get_method(c.spec["method"]["name"])

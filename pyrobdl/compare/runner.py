@@ -26,6 +26,7 @@ written (:class:`~pyrobdl.compare.store.WriteError`) stops the run instead of fa
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import inspect
 import io
@@ -45,6 +46,7 @@ import torch
 
 from .. import __version__
 from ..inference import fit
+from ..inference.registry import get_method
 from . import artifacts
 from .config import Suite
 from .executors import Executor, InProcessExecutor
@@ -78,6 +80,8 @@ REFERENCE_DRAWS = "reference_draws.pt"
 CELL_LOG = "cell.log"
 INFERENCE_DATA = "inference_data.nc"
 ARRAYS = "arrays.npz"
+#: Folder of the results folder holding in-process cells' fit checkpoints (:attr:`CellTask.checkpoint`).
+CHECKPOINTS = "checkpoints"
 
 
 @dataclass(frozen=True)
@@ -166,6 +170,12 @@ class CellTask:
     capture_output : bool
         Capture the cell's stdout and stderr into its ``cell.log`` instead of the console (for
         workers in other processes, whose output would interleave).
+    checkpoint : str or None
+        Where the fit keeps its resumable state (methods with a ``checkpoint`` option, e.g.
+        ``"chees"``): set by the driver for cells run in its own process, so a run killed inside
+        a long reference cell resumes that cell where it stopped; removed once the cell's record
+        is written with status ok.  None: no checkpoint (a worker elsewhere never writes into
+        the results folder).
     """
 
     cell: Cell
@@ -181,6 +191,7 @@ class CellTask:
     data: Any = None
     threads: int | None = None
     capture_output: bool = False
+    checkpoint: str | None = None
 
 
 @dataclass(frozen=True)
@@ -482,9 +493,12 @@ def _compute_cell(task: CellTask, log: io.StringIO) -> CellResult:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", UserWarning)
             try:
+                options = dict(spec["method"]["options"])
+                if task.checkpoint is not None:
+                    options["checkpoint"] = task.checkpoint
                 posterior = fit(
                     model, data.x_train, data.y_train, spec["method"]["name"], seed=cell.seed,
-                    device=task.device, progress=task.progress, **spec["method"]["options"],
+                    device=task.device, progress=task.progress, **options,
                 )
             finally:
                 record["warnings"] += _warning_texts("fit", caught)
@@ -627,6 +641,11 @@ def write_cell(out: str | Path, result: CellResult, *, owner: str | None = None)
             raise ResultsError(f"{folder / name}: the bytes received do not match the worker's checksum")
     atomic_write_json(folder / RESULT_FILE, result.record, owner=owner)
     record = result.record
+    if record["status"] == "ok":
+        # the record holds the result now, so the cell's fit checkpoints (CellTask.checkpoint, of
+        # this and earlier configurations) go; a failed cell keeps them, so a rerun resumes
+        for path in (Path(out) / CHECKPOINTS).glob(f"{glob.escape(result.cell_id)}--*.pt*"):
+            path.unlink(missing_ok=True)
     err = record.get("error") or {}
     return CellOutcome(
         result.cell_id, record["status"], f"{err.get('type')}: {err.get('message')}" if err else "",
@@ -790,13 +809,19 @@ def _run_locked(suite: Suite, grid: list[Cell], cells: list[Cell], out: Path, ru
             payloads[ref_id] = reference_payload(out, ref_id)
         return payloads[ref_id]
 
+    def checkpoint_of(c: Cell) -> str | None:
+        # a method that can resume inside a fit gets a file of its own, when the cell runs here; named
+        # by the configuration's hash, so a changed configuration starts afresh
+        takes = "checkpoint" in get_method(c.spec["method"]["name"]).options
+        return str(out / CHECKPOINTS / f"{c.id}--{c.config_hash[:16]}.pt") if takes and not remote else None
+
     def task(c: Cell) -> CellTask:
         ref = by_id.get(c.reference) if c.reference else None
         return CellTask(
             c, str(out), data_dir, str(suite.path.parent), device, progress and executor.in_process,
             dict(ref.spec["model"]) if ref else None, ref.spec["method"]["name"] if ref else None, run_id,
             reference=reference_of(c.reference) if c.reference else None,
-            data=data_of(c), threads=threads, capture_output=remote,
+            data=data_of(c), threads=threads, capture_output=remote, checkpoint=checkpoint_of(c),
         )
 
     ok: list[str] = []

@@ -36,8 +36,11 @@ every diagnostic, the ArviZ adapter, the suite and the report treat it like ``"n
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import numbers
+import os
 import time
 import warnings
 from dataclasses import dataclass
@@ -49,6 +52,7 @@ import torch
 from ..diagnostics.certification import CertificationCriteria, attach_certification, ebfmi
 from ..flat import FlatLogJoint
 from ..posterior import Cost, Posterior
+from .checkpoint import CheckpointError, SamplerCheckpoint, run_identity
 from .mcmc import MCMCPosterior, SamplerTrace
 from .registry import Method, register_method, require_proper_prior
 from .svi import _peak_memory
@@ -84,7 +88,14 @@ CHEES_OPTIONS: dict[str, Any] = {
     "diagnostic_points": 50,
     "temperatures": None,
     "adapt_temperatures": False,
+    "checkpoint": None,
+    "checkpoint_every_s": 300.0,
 }
+
+#: Options that do not change the chains (where and how often they are saved, the kernel, the
+#: thread count) or that a resumed run reconciles itself (``num_samples`` may grow: the run is
+#: extended), so a checkpoint's identity leaves them out.
+_NOT_IDENTITY = ("checkpoint", "checkpoint_every_s", "compile", "chunk_size", "threads", "device", "num_samples")
 
 # Dual averaging constants of Hoffman & Gelman (2014), as Stan, NumPyro and Pyro use them.
 _DA_GAMMA, _DA_T0, _DA_KAPPA = 0.05, 10.0, 0.75
@@ -156,6 +167,14 @@ def _check_options(model: Any, options: Mapping[str, Any]) -> None:
         raise ValueError(f"unknown init_strategy {options['init_strategy']!r}; valid: {list(INIT_STRATEGIES)}")
     if options["chunk_size"] not in (None, "auto"):
         _int(options, "chunk_size", 1)
+    ckpt = options["checkpoint"]
+    if ckpt is not None and not isinstance(ckpt, (str, os.PathLike)):
+        raise TypeError(f"checkpoint must be None or a file path, got {ckpt!r}")
+    if ckpt is not None and os.path.isdir(ckpt):
+        raise ValueError(f"checkpoint {ckpt!r} is a folder; give a file path (e.g. {os.path.join(ckpt, 'chees.pt')!r})")
+    every = options["checkpoint_every_s"]
+    if isinstance(every, bool) or not isinstance(every, (int, float)) or not math.isfinite(every) or every < 0:
+        raise ValueError(f"checkpoint_every_s must be a finite number >= 0, got {every!r}")
     _check_temperatures(options)
     # the flat log joint refuses what it does not implement, by name, before any work
     from ..flat import _check_supported
@@ -736,7 +755,36 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
         size, trajectory length and mass matrix summary, divergences, steps-cap hits, E-BFMI,
         function-space convergence) and the certification at the first ``diagnostic_points``
         training inputs.
+
+    Raises
+    ------
+    CheckpointError
+        With ``checkpoint`` set: the file belongs to a run of another identity (the message
+        names every difference), cannot be read, or is in use by another process; raised
+        before any gradient is evaluated.
+
+    Notes
+    -----
+    With ``checkpoint`` a file path, the whole state of the run (chains, random generators,
+    adaptation, the statistics and draws so far) is written there atomically every
+    ``checkpoint_every_s`` seconds and after the last iteration; a run given an existing
+    checkpoint of the same identity (model, data, seed and every option that shapes the chains)
+    continues from it, and gives the same draws, to the bit, as the run never interrupted
+    (:mod:`pyrobdl.inference.checkpoint`).  A larger ``num_samples`` than the checkpoint's
+    extends a run: the result equals a run started with that ``num_samples``.
     """
+    path = options["checkpoint"]
+    if path is None:
+        return _run_chees(model, x, y, options, progress, None)
+    options = {**options, "checkpoint": os.fspath(path)}
+    identity = run_identity(model, x, y, options, exclude=_NOT_IDENTITY)
+    with SamplerCheckpoint(path, identity, options["checkpoint_every_s"]) as ckpt:
+        return _run_chees(model, x, y, options, progress, ckpt)
+
+
+def _run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str, Any], progress: bool,
+               ckpt: SamplerCheckpoint | None) -> Posterior:
+    """:func:`run_chees` with its checkpoint (None: none) open."""
     device = x.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -744,12 +792,20 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
     k, warm, draws = options["num_chains"], options["num_warmup"], options["num_samples"]
     gen = torch.Generator(device=device)
     gen.manual_seed(int(options["seed"]))
+    saved = ckpt.load(device) if ckpt is not None else None
+    if saved is not None and saved["num_samples"] > draws:
+        raise CheckpointError(
+            f"checkpoint {ckpt.path} holds a run of num_samples={saved['num_samples']}; a resumed run can extend "
+            f"it, not shorten it (num_samples={draws} now): pass num_samples >= {saved['num_samples']}")
     lj = FlatLogJoint(model, x, y, chunk_size=options["chunk_size"])
     compile_s = _compile(lj, k, options["compile"])
-    theta, map_grads = _starting_points(model, lj, k // options["superchain_size"], options, gen)
-    # superchains (Margossian et al. 2024): chains c*M .. (c+1)*M - 1 share start c, so that nested
-    # R-hat can tell whether they have forgotten it
-    theta = theta.repeat_interleave(options["superchain_size"], dim=0)
+    if saved is None:
+        theta, map_grads = _starting_points(model, lj, k // options["superchain_size"], options, gen)
+        # superchains (Margossian et al. 2024): chains c*M .. (c+1)*M - 1 share start c, so that
+        # nested R-hat can tell whether they have forgotten it
+        theta = theta.repeat_interleave(options["superchain_size"], dim=0)
+    else:
+        theta, map_grads = saved["theta"], int(saved["map_grads"])
     # replica exchange: rung r is rows r*C .. (r+1)*C - 1 at inverse temperature beta_r; rung 0
     # (beta = 1) is the posterior and the only one kept
     betas = [float(b) for b in options["temperatures"]] if options["temperatures"] is not None else [1.0]
@@ -769,11 +825,11 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
     target, cap = float(options["target_accept_prob"]), int(options["max_num_steps"])
     step = options["step_size"]
     search_grads = 0
-    if step is None:
+    if step is None and saved is None:
         before = sampler.gradients
         step = sampler.find_step_size(0.1, rows=kept)
         search_grads += sampler.gradients - before
-    step = float(step)
+    step = float(saved["step"]) if saved is not None else float(step)
     # one step size per rung, each adapted on its own rung's acceptance (in its own metric the
     # beta = 0.1 rung of yacht wants a step 60x the beta = 1 rung's: measured); rung 0's is `step`,
     # the posterior's, which also sets the number of leapfrog steps
@@ -800,13 +856,79 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
     samples = torch.empty(draws, kept, lj.size, dtype=x.dtype, device=device)
     halton_index = 0
     rng = np.random.default_rng(int(options["seed"]))
+    trajectory_length = wanted_length = math.exp(traj.log_t)
+    first, elapsed = 0, (0.0, 0.0, 0.0)  # wall, CPU and compile seconds of earlier processes
+    resumed_at: list[int] = []
+    if saved is not None:
+        first, resumed_at = int(saved["next_iteration"]), [*saved["resumed_at"], int(saved["next_iteration"])]
+        elapsed = (float(saved["wall_s"]), float(saved["cpu_s"]), float(saved["compile_s"]))
+        search_grads = int(saved["search_grads"])
+        # the random streams, the adaptation and the chains where the checkpoint left them
+        gen.set_state(saved["generator"].cpu())
+        rng.bit_generator.state = json.loads(saved["numpy_rng"])
+        sampler.theta, sampler.logp, sampler.grad = saved["theta"], saved["logp"], saved["grad"]
+        sampler.inv_mass, sampler.gradients = saved["inv_mass"], int(saved["gradients"])
+        steps = [float(v) for v in saved["steps"]]
+        das = [_DualAveraging(**d) for d in saved["dual_averaging"]]
+        traj = _TrajectoryAdam(**saved["trajectory_adam"])
+        trajectory_length, wanted_length = float(saved["trajectory_length"]), float(saved["wanted_length"])
+        window = WindowVariance(options["mass_matrix"], groups=rungs)
+        window.shift, window.total, window.total_sq = (saved["window"][n] for n in ("shift", "total", "total_sq"))
+        window.n, window_start = int(saved["window"]["n"]), int(saved["window_start"])
+        betas, ladder_start = [float(b) for b in saved["betas"]], int(saved["ladder_start"])
+        swap_sum, swap_count = saved["swap_sum"], saved["swap_count"].cpu().numpy().copy()
+        if tempered is not None:
+            tempered.beta = _rung_rows(betas, kept, x.dtype, device)
+            step_rows = _rung_rows(steps, kept, x.dtype, device).unsqueeze(-1)
+            for name in ("replica", "label", "counts", "lo", "hi"):
+                setattr(tracker, name, saved["tracker"][name])
+        # a run may be extended (num_samples grown): the arrays are longer, the first rows the same
+        for name in rows:
+            rows[name][:first] = saved["rows"][name][:first]
+        diverging_rows[:first] = saved["diverging_rows"][:first]
+        if replica_rows is not None:
+            replica_rows[:first] = saved["replica_rows"][:first]
+        for arr, name in ((step_row, "step_row"), (length_row, "length_row"), (num_steps_row, "num_steps_row"),
+                          (cap_hits, "cap_hits")):
+            arr[:first] = saved[name][:first].cpu().numpy()
+        samples[: max(0, first - warm)] = saved["samples"]
+        halton_index = first
+    saved = None  # the loaded tensors are copied; free them
+
+    def snapshot(next_iteration: int) -> dict[str, Any]:
+        """Everything the loop carries from one iteration to the next, after ``next_iteration - 1``
+        (slices cloned: ``torch.save`` of a view would write the whole array)."""
+        wall = elapsed[0] + time.perf_counter() - start
+        return {
+            "next_iteration": next_iteration, "num_samples": draws, "resumed_at": resumed_at,
+            "wall_s": wall, "cpu_s": elapsed[1] + time.process_time() - cpu_start, "compile_s": elapsed[2] + compile_s,
+            "map_grads": map_grads, "search_grads": search_grads, "step": step, "steps": steps,
+            "generator": gen.get_state(), "numpy_rng": json.dumps(rng.bit_generator.state),
+            "theta": sampler.theta, "logp": sampler.logp, "grad": sampler.grad, "inv_mass": sampler.inv_mass,
+            "gradients": sampler.gradients,
+            "dual_averaging": [dataclasses.asdict(d) for d in das], "trajectory_adam": dataclasses.asdict(traj),
+            "trajectory_length": trajectory_length, "wanted_length": wanted_length,
+            "window": {"shift": window.shift, "total": window.total, "total_sq": window.total_sq, "n": window.n},
+            "window_start": window_start, "betas": betas, "ladder_start": ladder_start,
+            "swap_sum": swap_sum, "swap_count": torch.from_numpy(swap_count.copy()),
+            "tracker": ({name: getattr(tracker, name) for name in ("replica", "label", "counts", "lo", "hi")}
+                        if tracker is not None else None),
+            "rows": {name: v[:next_iteration].clone() for name, v in rows.items()},
+            "diverging_rows": diverging_rows[:next_iteration].clone(),
+            "replica_rows": replica_rows[:next_iteration].clone() if replica_rows is not None else None,
+            "step_row": torch.from_numpy(step_row[:next_iteration].copy()),
+            "length_row": torch.from_numpy(length_row[:next_iteration].copy()),
+            "num_steps_row": torch.from_numpy(num_steps_row[:next_iteration].copy()),
+            "cap_hits": torch.from_numpy(cap_hits[:next_iteration].copy()),
+            "samples": samples[: max(0, next_iteration - warm)].clone(),
+        }
+
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=total, desc="chees", leave=False)
-    trajectory_length = wanted_length = math.exp(traj.log_t)
-    for it in range(total):
+        bar = tqdm(total=total, initial=first, desc="chees", leave=False)
+    for it in range(first, total):
         halton_index += 1
         h = {"halton": lambda: halton(halton_index), "uniform": lambda: float(rng.uniform()),
              "none": lambda: 1.0}[options["jitter"]]()
@@ -882,11 +1004,17 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
             bar.update(1)
             if it % 10 == 0:
                 bar.set_postfix(step=f"{step:.3g}", T=f"{trajectory_length:.3g}", steps=n)
+        if ckpt is not None and ckpt.due(final=it == total - 1):
+            ckpt.save(snapshot(it + 1))
     if bar is not None:
         bar.close()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    # every process's seconds: a resumed run costs what all its parts cost (work lost after the
+    # last checkpoint of a killed process is not counted)
+    wall = elapsed[0] + time.perf_counter() - start
+    cpu = elapsed[1] + time.process_time() - cpu_start
+    compile_s += elapsed[2]
     stats = {name: v.t().cpu().numpy() for name, v in rows.items()}
     diverging_row = diverging_rows.t().cpu().numpy()
 
@@ -944,6 +1072,9 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
         "map_chain_gradients": int(map_grads),
         "cpu_time_s": cpu,
         "compile_s": float(compile_s),
+        # iterations at which this run was resumed from its checkpoint, and writes of it
+        "resumed_at": resumed_at,
+        "checkpoint_saves": ckpt.saves if ckpt is not None else 0,
         "ebfmi": [float(e) for e in ebfmi(stats["energy"][:, warm:])],
     })
     capped_length = wanted_length > cap * step * (1 + 1e-12)
