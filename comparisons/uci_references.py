@@ -18,6 +18,15 @@ Usage (from the repository root)::
     nice -n 10 python comparisons/uci_references.py --data-dir ../shared/datasets \
         --datasets yacht boston energy concrete wine --splits 0 1 2 --out results/uci_references.jsonl
     python comparisons/uci_references.py --out results/uci_references.jsonl --table
+
+With ``--checkpoint-dir DIR`` each split's chees run writes its state to ``DIR`` (every
+``--checkpoint-every`` seconds): the same command resumes a killed run where it stopped, with the
+same draws; ``--extend-to N`` (with ``--extend-by M``) extends a run that is not certified by M
+draws per chain at a time, up to N, without redoing any draw::
+
+    nice -n 19 python comparisons/uci_references.py --data-dir ../shared/datasets --datasets wine --splits 5 \
+        --warmup 300 --samples 300 --extend-to 900 --extend-by 100 --superchain-starts --compile \
+        --chunk-size none --checkpoint-dir results/checkpoints --out results/wine.jsonl
 """
 
 from __future__ import annotations
@@ -88,30 +97,43 @@ def checkpoint_path(args: argparse.Namespace, name: str, split: int) -> str | No
 
 def run_split(name: str, split: int, args: argparse.Namespace) -> dict:
     data = datasets.load_uci(name, split, data_dir=args.data_dir)
-    model = make_model(data.x_train.shape[1])
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        post = pyrobdl.fit(
-            model, data.x_train, data.y_train, method="chees", num_chains=args.chains,
-            num_warmup=args.warmup, num_samples=args.samples, seed=args.seed, progress=args.progress,
-            init_strategy=args.init_strategy, compile=args.compile,
-            superchain_size=args.superchain if args.superchain_starts else 1, chunk_size=args.chunk_size,
-            mass_matrix=args.mass_matrix, device=args.device, max_num_steps=args.max_num_steps,
-            temperatures=args.temperatures, adapt_temperatures=args.adapt_temperatures,
-            checkpoint=checkpoint_path(args, name, split), checkpoint_every_s=args.checkpoint_every,
-        )
+    held_back = data.x_test[: args.cert_points]
+    samples, extensions = args.samples, []
+    while True:
+        model = make_model(data.x_train.shape[1])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            post = pyrobdl.fit(
+                model, data.x_train, data.y_train, method="chees", num_chains=args.chains,
+                num_warmup=args.warmup, num_samples=samples, seed=args.seed, progress=args.progress,
+                init_strategy=args.init_strategy, compile=args.compile,
+                superchain_size=args.superchain if args.superchain_starts else 1, chunk_size=args.chunk_size,
+                mass_matrix=args.mass_matrix, device=args.device, max_num_steps=args.max_num_steps,
+                temperatures=args.temperatures, adapt_temperatures=args.adapt_temperatures,
+                checkpoint=checkpoint_path(args, name, split), checkpoint_every_s=args.checkpoint_every,
+            )
+        split_cert = certify(post, held_back)
+        nested_cert = certify(post, held_back, CertificationCriteria(rhat="nested", superchain_size=args.superchain))
+        passed = {"split": split_cert.passed, "nested": nested_cert.passed,
+                  "both": split_cert.passed and nested_cert.passed}[args.extend_until]
+        extensions.append({"num_samples": samples, "certified_split": split_cert.passed,
+                           "certified_nested": nested_cert.passed, "rhat_split_max": split_cert.rhat_max,
+                           "rhat_nested_max": nested_cert.rhat_max, "cpu_s": post.cost.cpu_time_s})
+        if passed or args.extend_to is None or samples >= args.extend_to:
+            break
+        # not certified yet: the checkpoint of the finished run goes on sampling (no draw is redone)
+        samples = min(args.extend_to, samples + args.extend_by)
+        print(f"{name} split {split}: not certified ({args.extend_until} R-hat) at {extensions[-1]['num_samples']} "
+              f"draws per chain; extending to {samples}", flush=True)
     total = post.num_chains * post.num_draws
     scores = evaluate(post, data.x_test, data.y_test, num_samples=total, seed=0,
                       y_mean=data.y_mean, y_std=data.y_std)
-    held_back = data.x_test[: args.cert_points]
-    split_cert = certify(post, held_back)
-    nested_cert = certify(post, held_back, CertificationCriteria(rhat="nested", superchain_size=args.superchain))
     d = post.diagnostics
     prefixes = prefix_certifications(post, held_back, args.cert_prefixes or [], args.superchain)
     return {
         "dataset": name, "split": split, "seed": args.seed,
         "num_train": int(data.x_train.shape[0]), "num_test": int(data.x_test.shape[0]),
-        "settings": {"num_chains": args.chains, "num_warmup": args.warmup, "num_samples": args.samples,
+        "settings": {"num_chains": args.chains, "num_warmup": args.warmup, "num_samples": samples,
                      "init_strategy": args.init_strategy, "compile": args.compile,
                      "superchain_size": post.trace.superchain_size, "chunk_size": args.chunk_size,
                      "mass_matrix": args.mass_matrix, "device": args.device,
@@ -125,6 +147,7 @@ def run_split(name: str, split: int, args: argparse.Namespace) -> dict:
         "divergences": split_cert.divergences, "ebfmi_min": split_cert.ebfmi_min,
         "prefixes": prefixes,
         "resumed_at": d["resumed_at"],
+        "extensions": extensions,
         "step_size": d["step_size"], "trajectory_length": d["trajectory_length"],
         "swap_accept_prob": d["swap_accept_prob"], "num_chains_all_rungs": d["num_chains_all_rungs"],
         "step_size_rungs": d["step_size_rungs"], "temperatures_final": d["temperatures"],
@@ -206,9 +229,19 @@ def main() -> None:
                              "command resumes a killed run, and with a larger --samples extends a finished one "
                              "(drop its row from --out first)")
     parser.add_argument("--checkpoint-every", type=float, default=300.0, help="seconds between checkpoint writes")
+    parser.add_argument("--extend-to", type=int, default=None,
+                        help="while the run is not certified (--extend-until), extend it through its checkpoint by "
+                             "--extend-by draws per chain, up to this many (needs --checkpoint-dir)")
+    parser.add_argument("--extend-by", type=int, default=100)
+    parser.add_argument("--extend-until", choices=["split", "nested", "both"], default="both",
+                        help="which R-hat's certification ends the extension")
     parser.add_argument("--out", required=True)
     parser.add_argument("--table", action="store_true", help="print the table of --out and exit")
     args = parser.parse_args()
+    if args.extend_to is not None and args.checkpoint_dir is None:
+        parser.error("--extend-to extends runs through their checkpoints: give --checkpoint-dir")
+    if args.extend_by < 1:
+        parser.error(f"--extend-by must be >= 1, got {args.extend_by}")
     out = Path(args.out)
     rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()] if out.exists() else []
     if args.table:
