@@ -160,7 +160,8 @@ def test_options_that_do_not_shape_the_chains_are_not_identity():
     opts = {**chees.CHEES_OPTIONS, "seed": 0, "device": "cpu", "threads": 1}
     a = run_identity(small_mlp(), x, y, opts, exclude=chees._NOT_IDENTITY)
     b = run_identity(small_mlp(), x, y, {**opts, "compile": True, "chunk_size": 2, "threads": 2, "num_samples": 9,
-                                         "checkpoint": "elsewhere.pt", "checkpoint_every_s": 1.0},
+                                         "checkpoint": "elsewhere.pt", "checkpoint_every_s": 1.0,
+                                         "diagnostic_points": 7},
                      exclude=chees._NOT_IDENTITY)
     assert a == b
     assert run_identity(small_mlp(), x, y, {**opts, "max_num_steps": 7}, exclude=chees._NOT_IDENTITY) != a

@@ -93,9 +93,10 @@ CHEES_OPTIONS: dict[str, Any] = {
 }
 
 #: Options that do not change the chains (where and how often they are saved, the kernel, the
-#: thread count) or that a resumed run reconciles itself (``num_samples`` may grow: the run is
-#: extended), so a checkpoint's identity leaves them out.
-_NOT_IDENTITY = ("checkpoint", "checkpoint_every_s", "compile", "chunk_size", "threads", "device", "num_samples")
+#: thread count, the points the result is diagnosed at) or that a resumed run reconciles itself
+#: (``num_samples`` may grow: the run is extended), so a checkpoint's identity leaves them out.
+_NOT_IDENTITY = ("checkpoint", "checkpoint_every_s", "compile", "chunk_size", "threads", "device", "num_samples",
+                 "diagnostic_points")
 
 # Dual averaging constants of Hoffman & Gelman (2014), as Stan, NumPyro and Pyro use them.
 _DA_GAMMA, _DA_T0, _DA_KAPPA = 0.05, 10.0, 0.75
