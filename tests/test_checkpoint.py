@@ -239,3 +239,43 @@ def test_cuda_run_resumes_to_the_same_draws(tmp_path, monkeypatch):
     resumed = quiet_fit(small_mlp(), x, y, checkpoint=path, checkpoint_every_s=0, **kw)
     assert resumed.diagnostics["resumed_at"] == [25] and resumed.samples["layers.0.weight"].device.type == "cuda"
     assert_same_run(whole, resumed)
+
+
+KILLED = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from test_checkpoint import BASE, quiet_fit, small_data, small_mlp
+x, y = small_data()
+quiet_fit(small_mlp(), x, y, checkpoint={path!r}, checkpoint_every_s=0, **{{**BASE, "num_warmup": 150, "num_samples": 150}})
+"""
+
+
+def test_a_real_sigkill_at_any_moment_resumes_to_the_same_draws(tmp_path):
+    """A separate process killed with SIGKILL (no exception, no cleanup; possibly while it writes
+    the checkpoint) as soon as its first checkpoint exists: the run resumed here equals the run
+    never interrupted."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    path = tmp_path / "run.pt"
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED.format(tests=str(Path(__file__).parent), path=str(path)))
+    log = tmp_path / "killed.log"
+    with log.open("wb") as err:
+        proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.DEVNULL, stderr=err)
+        deadline = time.time() + 120
+        while not path.exists() and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.01)
+        time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait() == -signal.SIGKILL, log.read_text()[-2000:]  # killed, not finished
+    kw = {**BASE, "num_warmup": 150, "num_samples": 150}
+    x, y = small_data()
+    resumed = quiet_fit(small_mlp(), x, y, checkpoint=path, checkpoint_every_s=0, **kw)
+    [at] = resumed.diagnostics["resumed_at"]
+    assert 0 < at < 300
+    assert_same_run(quiet_fit(small_mlp(), x, y, **kw), resumed)
