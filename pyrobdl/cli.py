@@ -246,7 +246,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
              "and rerun the same command to resume")
         return 4
     except KeyboardInterrupt:
-        _err("interrupted; finished cells are kept, rerun the same command to resume")
+        _err("interrupted; finished cells are kept, rerun the same command to resume (chees cells run "
+             "in this process resume from their last checkpoint)")
         return 130
     finally:
         if isinstance(pool, _cf_executor_type()):
