@@ -24,7 +24,7 @@ from typing import Any
 
 from .store import ResultsError
 
-__all__ = ["LOCK_FILE", "FolderLockedError", "OutFolderError", "RunLock", "check_out_folder"]
+__all__ = ["LOCK_FILE", "FolderLockedError", "OutFolderError", "RunLock", "check_out_folder", "lock_exclusive"]
 
 LOCK_FILE = ".pyrobdl.lock"
 
@@ -73,6 +73,37 @@ def check_out_folder(out: str | Path) -> Path:
     return out
 
 
+def lock_exclusive(path: str | Path) -> int:
+    """Open (creating) ``path`` and take an exclusive, non-blocking :func:`fcntl.flock` on it.
+
+    Returns
+    -------
+    int
+        The open descriptor; closing it releases the lock (the kernel also does when the process
+        ends in any way).  Without :mod:`fcntl` (Windows) the descriptor holds no lock.
+
+    Raises
+    ------
+    BlockingIOError
+        When another process holds the lock (nothing stays open).
+    OSError
+        When the file cannot be created or locked; ``filename`` is None for a failed lock.
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows: no flock
+        return fd
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise BlockingIOError(e.errno, e.strerror) from None
+        raise
+    return fd
+
+
 class RunLock:
     """The exclusive lock of a results folder, held by one run (a context manager).
 
@@ -107,25 +138,21 @@ class RunLock:
 
     def __enter__(self) -> "RunLock":
         try:
-            import fcntl
+            import fcntl  # noqa: F401
         except ImportError:  # pragma: no cover - Windows: no flock
             return self
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = lock_exclusive(self.path)
+        except BlockingIOError:
+            h = self.holder()
+            who = f"pid {h.get('pid', '?')}" + (f" on {h['host']}" if h.get("host") else "")
+            since = f" since {h['started']}" if h.get("started") else ""
+            raise FolderLockedError(
+                f"results folder {self.path.parent} is in use by another pyrobdl run ({who}{since}); "
+                "wait for it to finish or use another --out") from None
         except OSError as e:
-            raise OutFolderError(f"--out {self.path.parent}: cannot create its lock file: {e.strerror or e}") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            os.close(fd)
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                h = self.holder()
-                who = f"pid {h.get('pid', '?')}" + (f" on {h['host']}" if h.get("host") else "")
-                since = f" since {h['started']}" if h.get("started") else ""
-                raise FolderLockedError(
-                    f"results folder {self.path.parent} is in use by another pyrobdl run ({who}{since}); "
-                    "wait for it to finish or use another --out") from None
-            raise OutFolderError(f"--out {self.path.parent}: cannot lock it: {e.strerror or e}") from None
+            what = "create its lock file" if e.filename else "lock it"
+            raise OutFolderError(f"--out {self.path.parent}: cannot {what}: {e.strerror or e}") from None
         info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "run": self.run_id,
                            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
         try:

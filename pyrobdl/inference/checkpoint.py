@@ -19,7 +19,6 @@ when the process ends in any way), so two processes cannot write one checkpoint.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import io
 import json
@@ -128,27 +127,19 @@ class SamplerCheckpoint:
 
     # ------------------------------------------------------------------------------ lock
     def __enter__(self) -> "SamplerCheckpoint":
+        from ..compare.lock import lock_exclusive
+
         lock = self.path.with_name(self.path.name + ".lock")
         try:
             lock.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+            self._fd = lock_exclusive(lock)
+        except BlockingIOError:
+            raise CheckpointLockedError(
+                f"checkpoint {self.path} is in use by another process; wait for it or pass another "
+                "checkpoint path") from None
         except OSError as e:
-            raise CheckpointError(f"checkpoint {self.path}: cannot create its lock file: {e.strerror or e}") from None
-        try:
-            import fcntl
-        except ImportError:  # pragma: no cover - Windows: no flock
-            self._fd = fd
-            return self
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            os.close(fd)
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise CheckpointLockedError(
-                    f"checkpoint {self.path} is in use by another process; wait for it or pass another "
-                    "checkpoint path") from None
-            raise CheckpointError(f"checkpoint {self.path}: cannot lock it: {e.strerror or e}") from None
-        self._fd = fd
+            what = "create its lock file" if e.filename else "lock it"
+            raise CheckpointError(f"checkpoint {self.path}: cannot {what}: {e.strerror or e}") from None
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -594,10 +594,12 @@ class _ReplicaTracker:
 class _Sampler:
     """The state of K lock-step chains and one jittered-HMC transition of all of them."""
 
-    def __init__(self, lj: FlatLogJoint, theta: torch.Tensor, generator: torch.Generator, threshold: float) -> None:
+    def __init__(self, lj: FlatLogJoint, theta: torch.Tensor, generator: torch.Generator, threshold: float,
+                 value_and_grad: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         self.lj, self.gen, self.threshold = lj, generator, threshold
         self.theta = theta
-        self.logp, self.grad = lj.value_and_grad(theta)
+        # given when they are known (a checkpoint's), so they are not evaluated again
+        self.logp, self.grad = value_and_grad if value_and_grad is not None else lj.value_and_grad(theta)
         self.inv_mass = torch.ones(lj.size, dtype=theta.dtype, device=theta.device)
         self.gradients = theta.shape[0]  # chain-gradients evaluated so far
 
@@ -815,7 +817,8 @@ def _run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[st
     tempered = None
     if rungs > 1:
         tempered = _Tempered(lj, _rung_rows(betas, kept, x.dtype, device))
-    sampler = _Sampler(tempered if tempered is not None else lj, theta, gen, float(options["divergence_threshold"]))
+    sampler = _Sampler(tempered if tempered is not None else lj, theta, gen, float(options["divergence_threshold"]),
+                       (saved["logp"], saved["grad"]) if saved is not None else None)
     # exchange acceptance summed per pair: [warm-up, sampling, current ladder window]
     swap_sum = torch.zeros(3, max(rungs - 1, 0), dtype=torch.float64, device=device)
     swap_count = np.zeros((3, max(rungs - 1, 0)), dtype=np.int64)
@@ -867,7 +870,6 @@ def _run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[st
         # the random streams, the adaptation and the chains where the checkpoint left them
         gen.set_state(saved["generator"].cpu())
         rng.bit_generator.state = json.loads(saved["numpy_rng"])
-        sampler.theta, sampler.logp, sampler.grad = saved["theta"], saved["logp"], saved["grad"]
         sampler.inv_mass, sampler.gradients = saved["inv_mass"], int(saved["gradients"])
         steps = [float(v) for v in saved["steps"]]
         das = [_DualAveraging(**d) for d in saved["dual_averaging"]]
