@@ -137,6 +137,30 @@ def test_a_finished_run_is_extended_by_more_samples(tmp_path):
         quiet_fit(small_mlp(), x, y, checkpoint=path, **BASE)
 
 
+def test_a_run_sampling_until_certified_resumes_inside_an_extension(tmp_path, monkeypatch):
+    """max_num_samples: killed in its second extension, the same command resumes it (the file then
+    holds more draws per chain than num_samples) to the run never interrupted, certifications
+    included; a checkpoint holding more draws than max_num_samples is refused."""
+    x, y = small_data()
+    kw = {**BASE, "num_samples": 4, "max_num_samples": 12, "extend_by": 4}
+    whole = quiet_fit(small_mlp(), x, y, **kw)
+    assert [e["num_samples"] for e in whole.diagnostics["extensions"]] == [4, 8, 12]  # never certified
+    path = tmp_path / "run.pt"
+    kill = BASE["num_warmup"] + 4 + 4 + 2
+    with monkeypatch.context() as m:
+        crash_at(m, kill)
+        with pytest.raises(Crash):
+            quiet_fit(small_mlp(), x, y, checkpoint=path, checkpoint_every_s=0, **kw)
+    assert torch.load(path, weights_only=True)["state"]["num_samples"] == 12
+    resumed = quiet_fit(small_mlp(), x, y, checkpoint=path, checkpoint_every_s=0, **kw)
+    assert resumed.diagnostics["resumed_at"] == [kill]
+    assert_same_run(whole, resumed)
+    assert resumed.diagnostics["extensions"] == whole.diagnostics["extensions"]
+    with pytest.raises(CheckpointError, match=r"num_samples=12; a resumed run can extend it, not shorten it "
+                                              r"\(num_samples=4, max_num_samples=10 now\)"):
+        quiet_fit(small_mlp(), x, y, checkpoint=path, **{**kw, "max_num_samples": 10})
+
+
 def test_a_checkpoint_of_another_run_is_refused_before_any_work(tmp_path, monkeypatch):
     x, y = small_data()
     path = tmp_path / "run.pt"
@@ -161,7 +185,8 @@ def test_options_that_do_not_shape_the_chains_are_not_identity():
     a = run_identity(small_mlp(), x, y, opts, exclude=chees._NOT_IDENTITY)
     b = run_identity(small_mlp(), x, y, {**opts, "compile": True, "chunk_size": 2, "threads": 2, "num_samples": 9,
                                          "checkpoint": "elsewhere.pt", "checkpoint_every_s": 1.0,
-                                         "diagnostic_points": 7},
+                                         "diagnostic_points": 7, "certify_inputs": x[:3], "max_num_samples": 50,
+                                         "extend_by": 5},
                      exclude=chees._NOT_IDENTITY)
     assert a == b
     assert run_identity(small_mlp(), x, y, {**opts, "max_num_steps": 7}, exclude=chees._NOT_IDENTITY) != a

@@ -16,6 +16,7 @@ from conftest import DEVICES, needs_cxx
 import pyrobdl
 import pyrobdl.inference.chees as chees
 from pyrobdl.datasets import bayesian_linear_regression
+from pyrobdl.diagnostics import certify
 from pyrobdl.diagnostics.arviz_adapter import convergence
 from pyrobdl.flat import FlatLogJoint
 from pyrobdl.inference import MCMCPosterior, SamplerTrace
@@ -416,6 +417,64 @@ def test_short_run_is_not_certified():
     assert all(f in message for f in cert.failures)
 
 
+# ------------------------------------------------------------------ sampling until certified
+def test_sampling_until_certified_equals_a_run_of_that_length(blr):
+    """max_num_samples: the chains are certified (at certify_inputs) after num_samples draws and
+    after every extend_by more, until they pass; the result is the run started with that many
+    draws, to the bit (nothing is redrawn, every chain goes on where it stood)."""
+    kw = dict(method="chees", num_chains=32, num_warmup=300, seed=0, progress=False, certify_inputs=blr.x_test)
+    post = pyrobdl.fit(blr_model(), blr.x_train, blr.y_train, num_samples=20, max_num_samples=400, extend_by=40,
+                       **kw)  # certified in the end: no warning (filterwarnings=error)
+    ext = post.diagnostics["extensions"]
+    n = ext[-1]["num_samples"]
+    assert len(ext) >= 2 and n < 400  # measured: not certified at 20, 60, 100 draws; certified at 140
+    assert [e["num_samples"] for e in ext] == list(range(20, n + 1, 40))
+    assert [e["certified"] for e in ext] == [False] * (len(ext) - 1) + [True]
+    assert all(e["failures"] for e in ext[:-1]) and ext[-1]["failures"] == []
+    cert = post.certification
+    assert cert.passed and cert.num_draws == n and cert.num_points == blr.x_test.shape[0]
+    assert post.diagnostics["num_samples"] == n and post.trace.accept_prob.shape == (32, 300 + n)
+    direct = pyrobdl.fit(blr_model(), blr.x_train, blr.y_train, num_samples=n, **kw)
+    assert "extensions" not in direct.diagnostics
+    for name in post.samples:
+        assert torch.equal(post.samples[name], direct.samples[name]), name
+    for field in ("accept_prob", "energy", "log_joint", "diverging", "num_steps", "step_size"):
+        np.testing.assert_array_equal(getattr(post.trace, field), getattr(direct.trace, field), err_msg=field)
+    assert post.cost.gradient_evaluations == direct.cost.gradient_evaluations
+    assert direct.certification.to_dict() == cert.to_dict()
+
+
+def test_sampling_until_certified_stops_at_max_num_samples():
+    x, y = small_data()
+    with uncertified():
+        post = pyrobdl.fit(small_mlp(), x, y, method="chees", num_chains=4, num_warmup=5, num_samples=4,
+                           max_num_samples=11, extend_by=4, progress=False)
+    ext = post.diagnostics["extensions"]
+    assert [e["num_samples"] for e in ext] == [4, 8, 11] and not any(e["certified"] for e in ext)
+    assert ext[-1]["failures"] == list(post.certification.failures)
+    assert post.samples["layers.0.weight"].shape[:2] == (4, 11) and post.trace.energy.shape == (4, 16)
+
+
+def test_certify_inputs_are_what_the_chains_are_certified_at(tmp_path):
+    """certify_inputs (e.g. held-back test inputs) replace the first diagnostic_points training
+    inputs; the settings record their number and SHA-256, so a saved posterior stays JSON."""
+    x, y = small_data()
+    held_back = torch.randn(7, 2, generator=torch.Generator().manual_seed(1))
+    with uncertified():
+        post = pyrobdl.fit(small_mlp(), x, y, method="chees", certify_inputs=held_back, **TINY)
+    assert post.certification.num_points == 7
+    again = certify(post, held_back, post.certification.criteria)
+    assert again.to_dict() == post.certification.to_dict()
+    assert post.diagnostics["function_space"] == post.convergence_summary(held_back)["function_space"]
+    digest = post.settings["certify_inputs"]
+    assert digest["points"] == 7 and len(digest["sha256"]) == 64
+    with uncertified():
+        other = pyrobdl.fit(small_mlp(), x, y, method="chees", certify_inputs=held_back + 1, **TINY)
+    assert other.settings["certify_inputs"]["sha256"] != digest["sha256"]
+    loaded = pyrobdl.load_posterior(post.save(tmp_path / "p"))
+    assert loaded.settings["certify_inputs"] == digest
+
+
 # -------------------------------------------------------------------------- 6. the steps cap
 def test_num_steps_never_exceed_the_cap():
     """With no warm-up the initial trajectory length is used as it is: T = 50 at step 0.01 wants
@@ -480,6 +539,12 @@ def test_cap_during_warm_up_bounds_the_trajectory():
         ({"superchain_size": 0}, ValueError, r"superchain_size must be an integer >= 1"),
         ({"superchain_size": 3}, ValueError, r"superchain_size=3 must divide num_chains=64 into at least 2 superchains"),
         ({"num_chains": 8, "superchain_size": 8}, ValueError, r"superchain_size=8 must divide num_chains=8"),
+        ({"max_num_samples": 100}, ValueError, r"max_num_samples=100 must be >= num_samples=200"),
+        ({"max_num_samples": 300.0}, ValueError, r"max_num_samples must be an integer >= 1"),
+        ({"extend_by": 0}, ValueError, r"extend_by must be an integer >= 1"),
+        ({"certify_inputs": torch.zeros(5, 3)}, ValueError,
+         r"certify_inputs has 3 features but the model has in_features=2"),
+        ({"certify_inputs": torch.full((5, 2), float("nan"))}, ValueError, r"certify_inputs"),
     ],
 )
 def test_bad_options_raise_before_running(monkeypatch, options, error, match):

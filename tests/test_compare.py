@@ -665,6 +665,31 @@ def test_a_run_killed_inside_a_chees_reference_resumes_that_cell(tmp_path, monke
     assert not ckpt.exists() and not list((out / "checkpoints").iterdir())
 
 
+def test_a_chees_reference_is_certified_and_extended_at_held_back_inputs(tmp_path):
+    """The runner hands a method that takes ``certify_inputs`` the test split's first points: the
+    fit's own certification, the extension of max_num_samples and the record's certification are
+    all on held-back inputs (here all 30 test points, fewer than diagnostic_points)."""
+    text = (TINY.replace("[suite]", '[suite]\nreference = "chees"').replace("splits = [0, 1]", "splits = [0]")
+            + "\n[methods.chees]\nnum_chains = 4\nnum_warmup = 10\nnum_samples = 4\nmax_num_samples = 10\n"
+            + "extend_by = 3\n")
+    out = tmp_path / "out"
+    assert run(write(tmp_path, text), out).success
+    ref = read_result(out / "cells" / "gap__chees__split-0__seed-0" / RESULT_FILE)
+    assert ref["certification"]["passed"] is False and ref["certification"]["num_points"] == 30
+    assert ref["diagnostics"]["certification"] == ref["certification"]
+    assert [e["num_samples"] for e in ref["diagnostics"]["extensions"]] == [4, 7, 10]
+    assert ref["certification"]["num_draws"] == 10
+    assert ref["settings"]["certify_inputs"]["points"] == 30 and ref["settings"]["max_num_samples"] == 10
+
+
+def test_a_suite_refuses_a_certify_inputs_option(tmp_path):
+    text = (TINY.replace("splits = [0, 1]", "splits = [0]")
+            + "\n[methods.chees]\nnum_chains = 4\nnum_warmup = 5\nnum_samples = 5\ncertify_inputs = [[0.0]]\n")
+    with pytest.raises(ConfigError, match=r"methods.chees.certify_inputs: a suite certifies each posterior at the test "
+                                          r"split's first diagnostic_points inputs itself"):
+        run(write(tmp_path, text), tmp_path / "out")
+
+
 def test_a_suite_refuses_a_checkpoint_option(tmp_path):
     text = (TINY.replace("splits = [0, 1]", "splits = [0]")
             + '\n[methods.chees]\nnum_chains = 4\nnum_warmup = 5\nnum_samples = 5\ncheckpoint = "mine.pt"\n')

@@ -283,6 +283,9 @@ def check_plan(suite: Suite, cells: list[Cell], data_dir: str | None) -> None:
         if c.spec["method"]["options"].get("checkpoint") is not None:
             problems.append(f"methods.{c.method}.checkpoint: a suite keeps each cell's checkpoint itself "
                             "(OUT/checkpoints/<cell>.pt, for cells run in the driver's process); remove the option")
+        if c.spec["method"]["options"].get("certify_inputs") is not None:
+            problems.append(f"methods.{c.method}.certify_inputs: a suite certifies each posterior at the test "
+                            "split's first diagnostic_points inputs itself; remove the option")
         try:
             model = build_model(c.spec["model"], data)
             meth = get_method(c.spec["method"]["name"])

@@ -496,6 +496,10 @@ def _compute_cell(task: CellTask, log: io.StringIO) -> CellResult:
                 options = dict(spec["method"]["options"])
                 if task.checkpoint is not None:
                     options["checkpoint"] = task.checkpoint
+                if "certify_inputs" in get_method(spec["method"]["name"]).options:
+                    # certified at held-back inputs (and, with max_num_samples, sampled until certified
+                    # there): the test split's first points, those certified below
+                    options["certify_inputs"] = data.x_test[: int(options["diagnostic_points"])]
                 posterior = fit(
                     model, data.x_train, data.y_train, spec["method"]["name"], seed=cell.seed,
                     device=task.device, progress=task.progress, **options,

@@ -37,6 +37,7 @@ every diagnostic, the ArviZ adapter, the suite and the report treat it like ``"n
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import numbers
@@ -86,6 +87,9 @@ CHEES_OPTIONS: dict[str, Any] = {
     "chunk_size": "auto",
     "compile": "auto",
     "diagnostic_points": 50,
+    "certify_inputs": None,
+    "max_num_samples": None,
+    "extend_by": 100,
     "temperatures": None,
     "adapt_temperatures": False,
     "checkpoint": None,
@@ -93,10 +97,11 @@ CHEES_OPTIONS: dict[str, Any] = {
 }
 
 #: Options that do not change the chains (where and how often they are saved, the kernel, the
-#: thread count, the points the result is diagnosed at) or that a resumed run reconciles itself
-#: (``num_samples`` may grow: the run is extended), so a checkpoint's identity leaves them out.
+#: thread count, the points the result is diagnosed and certified at) or that a resumed run
+#: reconciles itself (``num_samples`` may grow: the run is extended; so may the extension's
+#: bounds), so a checkpoint's identity leaves them out.
 _NOT_IDENTITY = ("checkpoint", "checkpoint_every_s", "compile", "chunk_size", "threads", "device", "num_samples",
-                 "diagnostic_points")
+                 "diagnostic_points", "certify_inputs", "max_num_samples", "extend_by")
 
 # Dual averaging constants of Hoffman & Gelman (2014), as Stan, NumPyro and Pyro use them.
 _DA_GAMMA, _DA_T0, _DA_KAPPA = 0.05, 10.0, 0.75
@@ -147,8 +152,18 @@ def _check_options(model: Any, options: Mapping[str, Any]) -> None:
             f"superchain_size={m} must divide num_chains={k} into at least 2 superchains "
             f"(num_chains a multiple of superchain_size, num_chains >= 2 * superchain_size)"
         )
-    for name in ("num_samples", "max_num_steps", "map_num_steps", "diagnostic_points"):
+    for name in ("num_samples", "max_num_steps", "map_num_steps", "diagnostic_points", "extend_by"):
         _int(options, name, 1)
+    if options["max_num_samples"] is not None:
+        _int(options, "max_num_samples", 1)
+        if options["max_num_samples"] < options["num_samples"]:
+            raise ValueError(f"max_num_samples={options['max_num_samples']} must be >= num_samples="
+                             f"{options['num_samples']} (the draws per chain before the first certification), "
+                             "or None: no extension")
+    if options["certify_inputs"] is not None:
+        from .._validation import check_inputs
+
+        check_inputs(model, options["certify_inputs"], "certify_inputs")
     for name in ("init_trajectory_length", "trajectory_lr", "map_lr", "divergence_threshold"):
         _positive(options, name)
     _positive(options, "step_size", allow_none=True)
@@ -793,13 +808,25 @@ def _run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[st
         torch.cuda.reset_peak_memory_stats(device)
     start, cpu_start = time.perf_counter(), time.process_time()
     k, warm, draws = options["num_chains"], options["num_warmup"], options["num_samples"]
+    max_draws = options["max_num_samples"]
     gen = torch.Generator(device=device)
     gen.manual_seed(int(options["seed"]))
     saved = ckpt.load(device) if ckpt is not None else None
     if saved is not None and saved["num_samples"] > draws:
-        raise CheckpointError(
-            f"checkpoint {ckpt.path} holds a run of num_samples={saved['num_samples']}; a resumed run can extend "
-            f"it, not shorten it (num_samples={draws} now): pass num_samples >= {saved['num_samples']}")
+        if max_draws is not None and saved["num_samples"] <= max_draws:
+            draws = int(saved["num_samples"])  # extended towards max_num_samples by an earlier process
+        else:
+            raise CheckpointError(
+                f"checkpoint {ckpt.path} holds a run of num_samples={saved['num_samples']}; a resumed run can "
+                f"extend it, not shorten it (num_samples={draws}, max_num_samples={max_draws} now): pass "
+                f"num_samples or max_num_samples >= {saved['num_samples']}")
+    # the inputs the chains are certified at (and, with max_num_samples, extended until they pass)
+    if options["certify_inputs"] is not None:
+        from .._validation import check_inputs
+
+        points = check_inputs(model, options["certify_inputs"], "certify_inputs").to(device=device, dtype=x.dtype)
+    else:
+        points = x[: options["diagnostic_points"]]
     lj = FlatLogJoint(model, x, y, chunk_size=options["chunk_size"])
     compile_s = _compile(lj, k, options["compile"])
     if saved is None:
@@ -863,8 +890,11 @@ def _run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[st
     trajectory_length = wanted_length = math.exp(traj.log_t)
     first, elapsed = 0, (0.0, 0.0, 0.0)  # wall, CPU and compile seconds of earlier processes
     resumed_at: list[int] = []
+    # one row per certification of a run with max_num_samples: draws per chain, passed, failures
+    extensions: list[dict[str, Any]] = []
     if saved is not None:
         first, resumed_at = int(saved["next_iteration"]), [*saved["resumed_at"], int(saved["next_iteration"])]
+        extensions = [dict(e) for e in saved.get("extensions", [])]
         elapsed = (float(saved["wall_s"]), float(saved["cpu_s"]), float(saved["compile_s"]))
         search_grads = int(saved["search_grads"])
         # the random streams, the adaptation and the chains where the checkpoint left them
@@ -924,165 +954,206 @@ def _run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[st
             "num_steps_row": torch.from_numpy(num_steps_row[:next_iteration].copy()),
             "cap_hits": torch.from_numpy(cap_hits[:next_iteration].copy()),
             "samples": samples[: max(0, next_iteration - warm)].clone(),
+            "extensions": extensions,
         }
 
     bar = None
+    # what the posterior records of its options: the certification inputs by their digest
+    settings = {**options, "certify_inputs": _digest(points) if options["certify_inputs"] is not None else None}
+
+    def result() -> MCMCPosterior:
+        """The chains so far as the posterior, with its diagnostics and certification."""
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        # every process's seconds: a resumed run costs what all its parts cost (work lost after the
+        # last checkpoint of a killed process is not counted)
+        wall = elapsed[0] + time.perf_counter() - start
+        cpu = elapsed[1] + time.process_time() - cpu_start
+        stats = {name: v.t().cpu().numpy() for name, v in rows.items()}
+        diverging_row = diverging_rows.t().cpu().numpy()
+
+        site_draws = {name: v.transpose(0, 1).contiguous() for name, v in lj.layout.unpack(samples).items()}
+        trace = SamplerTrace(
+            num_warmup=warm, num_steps=np.tile(num_steps_row, (kept, 1)), step_size=np.tile(step_row, (kept, 1)),
+            accept_prob=stats["accept_prob"], diverging=diverging_row, tree_depth=None, log_joint=stats["log_joint"],
+            energy=stats["energy"], superchain_size=options["superchain_size"],
+        )
+        gradients = sampler.gradients + map_grads
+        cost = Cost(wall_time_s=wall, gradient_evaluations=int(gradients), epochs=float(gradients),
+                    peak_memory_bytes=_peak_memory(device), device=str(device), cpu_time_s=cpu)
+        posterior = MCMCPosterior(model, site_draws, trace, method="chees", settings=settings, cost=cost)
+        leapfrog = num_steps_row
+        diagnostics: dict[str, Any] = {
+            "num_chains": kept,
+            "num_chains_all_rungs": k,
+            "temperatures": betas,
+            "temperatures_initial": initial_betas,
+            "step_size_rungs": [float(v) for v in steps],
+        }
+        sums = swap_sum.cpu().numpy()
+        rates = [(sums[0] + sums[1]) / np.maximum(swap_count[0] + swap_count[1], 1), sums[1] / np.maximum(swap_count[1], 1)]
+        counts = tracker.counts.cpu().numpy() if tracker is not None else np.zeros((2, 2), dtype=np.int64)
+        diagnostics.update({
+            # mean acceptance probability of the exchanges proposed between rungs r and r + 1, over the
+            # whole run and over the sampling phase alone (the ladder's final form when it is adapted)
+            "swap_accept_prob": [float(v) for v in rates[0]],
+            "swap_accept_prob_sampling": [float(v) for v in rates[1]],
+            # replicas that went coldest -> hottest -> coldest, and states reaching the beta = 1 rung
+            # after a visit to the hottest one, in the sampling phase (and in warm-up)
+            "round_trips": int(counts[1, 0]),
+            "round_trips_warmup": int(counts[0, 0]),
+            "hot_arrivals": int(counts[1, 1]),
+            "hot_arrivals_warmup": int(counts[0, 1]),
+            # how many rungs each replica spanned in the sampling phase: median and largest
+            "ladder_span": ({"median": float(tracker.span.double().median()), "max": int(tracker.span.max())}
+                            if tracker is not None else {"median": 0.0, "max": 0}),
+            "num_warmup": warm,
+            "num_samples": draws,
+            "step_size": float(step),
+            "trajectory_length": float(trajectory_length),
+            "mean_num_steps_sampling": float(leapfrog[warm:].mean()) if draws else 0.0,
+            "inverse_mass_matrix": {"min": float(sampler.inv_mass.min()), "median": float(sampler.inv_mass.median()),
+                                    "max": float(sampler.inv_mass.max())},
+            "divergences": [int(d) for d in diverging_row[:, warm:].sum(1)],
+            "divergences_warmup": int(diverging_row[:, :warm].sum()),
+            "accept_prob": [float(a) for a in stats["accept_prob"][:, warm:].mean(1)],
+            "num_steps_cap_hits_warmup": int(cap_hits[:warm].sum()),
+            "num_steps_cap_hits_sampling": int(cap_hits[warm:].sum()),
+            "leapfrog_steps_warmup": int(leapfrog[:warm].sum()),
+            "leapfrog_steps_sampling": int(leapfrog[warm:].sum()),
+            "chain_gradients": int(gradients),
+            "step_size_search_chain_gradients": int(search_grads),
+            "map_chain_gradients": int(map_grads),
+            "cpu_time_s": cpu,
+            "compile_s": float(compile_s + elapsed[2]),
+            # iterations at which this run was resumed from its checkpoint, and writes of it
+            "resumed_at": resumed_at,
+            "checkpoint_saves": ckpt.saves if ckpt is not None else 0,
+            "ebfmi": [float(e) for e in ebfmi(stats["energy"][:, warm:])],
+        })
+        capped_length = wanted_length > cap * step * (1 + 1e-12)
+        diagnostics["trajectory_length_wanted"] = float(wanted_length)
+        diagnostics["trajectory_length_capped"] = bool(capped_length)
+        posterior.diagnostics = diagnostics
+        posterior.adaptation = {"step_size": step_row, "trajectory_length": length_row, "num_steps": num_steps_row}
+        if replica_rows is not None:
+            # [kept chains, iterations]: the replica (0 .. K-1, its starting row) in each beta = 1 slot
+            posterior.adaptation["replica"] = replica_rows.t().cpu().numpy()
+        diagnostics.update(posterior.convergence_summary(points))
+        _certify(posterior, points)
+        return posterior
+
+
+
     if progress:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=total, initial=first, desc="chees", leave=False)
-    for it in range(first, total):
-        halton_index += 1
-        h = {"halton": lambda: halton(halton_index), "uniform": lambda: float(rng.uniform()),
-             "none": lambda: 1.0}[options["jitter"]]()
-        wanted = math.ceil(h * trajectory_length / step)
-        n = max(1, min(cap, wanted))
-        cap_hits[it] = wanted > cap
-        theta0, proposal, p1, accept_prob, diverging, energy = sampler.transition(
-            step if tempered is None else step_rows, n)
-        if tempered is not None:
-            lower, prob, perm = _swap(sampler, tempered, rungs, it % 2, gen)
-            tracker.update(perm, int(it >= warm))
-            replica_rows[it] = tracker.replica[:kept]
-            in_ladder_window = bool(ladder_ends) and ladder_start <= it < warm
-            for j in (int(it >= warm), 2) if in_ladder_window else (int(it >= warm),):
-                swap_sum[j, lower] += prob.double().sum(-1)
-                swap_count[j, it % 2 : rungs - 1 : 2] += kept  # the pairs proposed: known from the parity
-        step_row[it], num_steps_row[it], length_row[it] = step, n, trajectory_length
-        rows["accept_prob"][it] = accept_prob[:kept]
-        rows["energy"][it] = energy[:kept]
-        rows["log_joint"][it] = sampler.logp[:kept]
-        diverging_rows[it] = diverging[:kept]
-        if it < warm:
-            weights = torch.where(diverging, torch.zeros_like(accept_prob), accept_prob)
-            # each rung's step size on its own chains' acceptance (one rung without tempering;
-            # measured on yacht, one step adapted on all rungs let the beta = 1 rung diverge)
-            for r in range(rungs):
-                ap, dv = accept_prob[r * kept : (r + 1) * kept], diverging[r * kept : (r + 1) * kept]
-                steps[r] = das[r].update(_harmonic_mean(ap[~dv]) if bool((~dv).any()) else 0.0, target)
-            step = steps[0]
-            # the trajectory length is that of the posterior's rung (the number of steps is shared)
-            inv_mass = sampler.inv_mass[:kept] if sampler.inv_mass.dim() == 2 else sampler.inv_mass
-            g = chees_gradient(theta0[:kept], proposal[:kept], p1[:kept], inv_mass, weights[:kept], h,
-                               trajectory_length)
-            if math.isfinite(g):
-                traj.update(g)
-            trajectory_length = min(max(math.exp(traj.log_t_avg), step), cap * step)
-            if windows and it >= window_start:
-                window.add(sampler.theta)
-            if (it + 1) in ladder_ends:
-                # the inner rungs move to equalise the exchange rejection measured since the last
-                # move; every row's tempered log joint and gradient are recomputed (counted)
-                rates = swap_sum[2].cpu().numpy() / np.maximum(swap_count[2], 1)
-                betas = respace_ladder(betas, 1.0 - rates)
-                tempered.beta = _rung_rows(betas, kept, x.dtype, device)
-                sampler.logp, sampler.grad = tempered.value_and_grad(sampler.theta)
-                sampler.gradients += k
-                swap_sum[2].zero_()
-                swap_count[2] = 0
-                ladder_start = it + 1
-            if (it + 1) in windows:
-                sampler.inv_mass = window.variance().to(x.dtype)
-                window = WindowVariance(options["mass_matrix"], groups=rungs)
-                window_start = it + 1
-                before = sampler.gradients
-                step = steps[0] = sampler.find_step_size(step, rows=kept)
-                search_grads += sampler.gradients - before
-                das = [_DualAveraging.start(s) for s in steps]
-                # a fresh Adam state in the new metric: the second moment otherwise remembers the
-                # huge gradients of the first iterations, when chains fall from their prior draws,
-                # and freezes log T (measured with a learned noise precision: T stuck at 1.05)
-                traj.v, traj.t = 0.0, 0
-                trajectory_length = min(max(math.exp(traj.log_t_avg), step), cap * step)
-            if it == warm - 1:
-                steps = [math.exp(d.log_step_bar) for d in das]
-                step = steps[0]
-                wanted_length = math.exp(traj.log_t_avg)
-                trajectory_length = min(max(wanted_length, step), cap * step)
+    while True:
+        for it in range(first, total):
+            halton_index += 1
+            h = {"halton": lambda: halton(halton_index), "uniform": lambda: float(rng.uniform()),
+                 "none": lambda: 1.0}[options["jitter"]]()
+            wanted = math.ceil(h * trajectory_length / step)
+            n = max(1, min(cap, wanted))
+            cap_hits[it] = wanted > cap
+            theta0, proposal, p1, accept_prob, diverging, energy = sampler.transition(
+                step if tempered is None else step_rows, n)
             if tempered is not None:
-                step_rows = _rung_rows(steps, kept, x.dtype, device).unsqueeze(-1)
-        else:
-            samples[it - warm] = sampler.theta[:kept]
+                lower, prob, perm = _swap(sampler, tempered, rungs, it % 2, gen)
+                tracker.update(perm, int(it >= warm))
+                replica_rows[it] = tracker.replica[:kept]
+                in_ladder_window = bool(ladder_ends) and ladder_start <= it < warm
+                for j in (int(it >= warm), 2) if in_ladder_window else (int(it >= warm),):
+                    swap_sum[j, lower] += prob.double().sum(-1)
+                    swap_count[j, it % 2 : rungs - 1 : 2] += kept  # the pairs proposed: known from the parity
+            step_row[it], num_steps_row[it], length_row[it] = step, n, trajectory_length
+            rows["accept_prob"][it] = accept_prob[:kept]
+            rows["energy"][it] = energy[:kept]
+            rows["log_joint"][it] = sampler.logp[:kept]
+            diverging_rows[it] = diverging[:kept]
+            if it < warm:
+                weights = torch.where(diverging, torch.zeros_like(accept_prob), accept_prob)
+                # each rung's step size on its own chains' acceptance (one rung without tempering;
+                # measured on yacht, one step adapted on all rungs let the beta = 1 rung diverge)
+                for r in range(rungs):
+                    ap, dv = accept_prob[r * kept : (r + 1) * kept], diverging[r * kept : (r + 1) * kept]
+                    steps[r] = das[r].update(_harmonic_mean(ap[~dv]) if bool((~dv).any()) else 0.0, target)
+                step = steps[0]
+                # the trajectory length is that of the posterior's rung (the number of steps is shared)
+                inv_mass = sampler.inv_mass[:kept] if sampler.inv_mass.dim() == 2 else sampler.inv_mass
+                g = chees_gradient(theta0[:kept], proposal[:kept], p1[:kept], inv_mass, weights[:kept], h,
+                                   trajectory_length)
+                if math.isfinite(g):
+                    traj.update(g)
+                trajectory_length = min(max(math.exp(traj.log_t_avg), step), cap * step)
+                if windows and it >= window_start:
+                    window.add(sampler.theta)
+                if (it + 1) in ladder_ends:
+                    # the inner rungs move to equalise the exchange rejection measured since the last
+                    # move; every row's tempered log joint and gradient are recomputed (counted)
+                    rates = swap_sum[2].cpu().numpy() / np.maximum(swap_count[2], 1)
+                    betas = respace_ladder(betas, 1.0 - rates)
+                    tempered.beta = _rung_rows(betas, kept, x.dtype, device)
+                    sampler.logp, sampler.grad = tempered.value_and_grad(sampler.theta)
+                    sampler.gradients += k
+                    swap_sum[2].zero_()
+                    swap_count[2] = 0
+                    ladder_start = it + 1
+                if (it + 1) in windows:
+                    sampler.inv_mass = window.variance().to(x.dtype)
+                    window = WindowVariance(options["mass_matrix"], groups=rungs)
+                    window_start = it + 1
+                    before = sampler.gradients
+                    step = steps[0] = sampler.find_step_size(step, rows=kept)
+                    search_grads += sampler.gradients - before
+                    das = [_DualAveraging.start(s) for s in steps]
+                    # a fresh Adam state in the new metric: the second moment otherwise remembers the
+                    # huge gradients of the first iterations, when chains fall from their prior draws,
+                    # and freezes log T (measured with a learned noise precision: T stuck at 1.05)
+                    traj.v, traj.t = 0.0, 0
+                    trajectory_length = min(max(math.exp(traj.log_t_avg), step), cap * step)
+                if it == warm - 1:
+                    steps = [math.exp(d.log_step_bar) for d in das]
+                    step = steps[0]
+                    wanted_length = math.exp(traj.log_t_avg)
+                    trajectory_length = min(max(wanted_length, step), cap * step)
+                if tempered is not None:
+                    step_rows = _rung_rows(steps, kept, x.dtype, device).unsqueeze(-1)
+            else:
+                samples[it - warm] = sampler.theta[:kept]
+            if bar is not None:
+                bar.update(1)
+                if it % 10 == 0:
+                    bar.set_postfix(step=f"{step:.3g}", T=f"{trajectory_length:.3g}", steps=n)
+            if ckpt is not None and ckpt.due(final=it == total - 1):
+                ckpt.save(snapshot(it + 1))
+        posterior = result()
+        if max_draws is None:
+            break
+        cert = posterior.certification
+        extensions.append({"num_samples": draws, "certified": bool(cert.passed), "failures": list(cert.failures)})
+        if cert.passed or draws >= max_draws:
+            break
+        # not certified yet: more draws per chain, every chain going on where it stands, so that
+        # the draws are those of a run started with the larger num_samples
+        add = min(int(options["extend_by"]), max_draws - draws)
+        rows = {name: _grow(v, add) for name, v in rows.items()}
+        diverging_rows, samples = _grow(diverging_rows, add), _grow(samples, add)
+        if replica_rows is not None:
+            replica_rows = _grow(replica_rows, add)
+        step_row, length_row, num_steps_row, cap_hits = (
+            np.concatenate([a, np.zeros(add, dtype=a.dtype)]) for a in (step_row, length_row, num_steps_row, cap_hits))
+        first, draws, total = total, draws + add, total + add
         if bar is not None:
-            bar.update(1)
-            if it % 10 == 0:
-                bar.set_postfix(step=f"{step:.3g}", T=f"{trajectory_length:.3g}", steps=n)
-        if ckpt is not None and ckpt.due(final=it == total - 1):
-            ckpt.save(snapshot(it + 1))
+            bar.total = total
+            bar.refresh()
     if bar is not None:
         bar.close()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    # every process's seconds: a resumed run costs what all its parts cost (work lost after the
-    # last checkpoint of a killed process is not counted)
-    wall = elapsed[0] + time.perf_counter() - start
-    cpu = elapsed[1] + time.process_time() - cpu_start
-    compile_s += elapsed[2]
-    stats = {name: v.t().cpu().numpy() for name, v in rows.items()}
-    diverging_row = diverging_rows.t().cpu().numpy()
-
-    site_draws = {name: v.transpose(0, 1).contiguous() for name, v in lj.layout.unpack(samples).items()}
-    trace = SamplerTrace(
-        num_warmup=warm, num_steps=np.tile(num_steps_row, (kept, 1)), step_size=np.tile(step_row, (kept, 1)),
-        accept_prob=stats["accept_prob"], diverging=diverging_row, tree_depth=None, log_joint=stats["log_joint"],
-        energy=stats["energy"], superchain_size=options["superchain_size"],
-    )
-    gradients = sampler.gradients + map_grads
-    cost = Cost(wall_time_s=wall, gradient_evaluations=int(gradients), epochs=float(gradients),
-                peak_memory_bytes=_peak_memory(device), device=str(device), cpu_time_s=cpu)
-    posterior = MCMCPosterior(model, site_draws, trace, method="chees", settings=dict(options), cost=cost)
-    leapfrog = num_steps_row
-    diagnostics: dict[str, Any] = {
-        "num_chains": kept,
-        "num_chains_all_rungs": k,
-        "temperatures": betas,
-        "temperatures_initial": initial_betas,
-        "step_size_rungs": [float(v) for v in steps],
-    }
-    sums = swap_sum.cpu().numpy()
-    rates = [(sums[0] + sums[1]) / np.maximum(swap_count[0] + swap_count[1], 1), sums[1] / np.maximum(swap_count[1], 1)]
-    counts = tracker.counts.cpu().numpy() if tracker is not None else np.zeros((2, 2), dtype=np.int64)
-    diagnostics.update({
-        # mean acceptance probability of the exchanges proposed between rungs r and r + 1, over the
-        # whole run and over the sampling phase alone (the ladder's final form when it is adapted)
-        "swap_accept_prob": [float(v) for v in rates[0]],
-        "swap_accept_prob_sampling": [float(v) for v in rates[1]],
-        # replicas that went coldest -> hottest -> coldest, and states reaching the beta = 1 rung
-        # after a visit to the hottest one, in the sampling phase (and in warm-up)
-        "round_trips": int(counts[1, 0]),
-        "round_trips_warmup": int(counts[0, 0]),
-        "hot_arrivals": int(counts[1, 1]),
-        "hot_arrivals_warmup": int(counts[0, 1]),
-        # how many rungs each replica spanned in the sampling phase: median and largest
-        "ladder_span": ({"median": float(tracker.span.double().median()), "max": int(tracker.span.max())}
-                        if tracker is not None else {"median": 0.0, "max": 0}),
-        "num_warmup": warm,
-        "num_samples": draws,
-        "step_size": float(step),
-        "trajectory_length": float(trajectory_length),
-        "mean_num_steps_sampling": float(leapfrog[warm:].mean()) if draws else 0.0,
-        "inverse_mass_matrix": {"min": float(sampler.inv_mass.min()), "median": float(sampler.inv_mass.median()),
-                                "max": float(sampler.inv_mass.max())},
-        "divergences": [int(d) for d in diverging_row[:, warm:].sum(1)],
-        "divergences_warmup": int(diverging_row[:, :warm].sum()),
-        "accept_prob": [float(a) for a in stats["accept_prob"][:, warm:].mean(1)],
-        "num_steps_cap_hits_warmup": int(cap_hits[:warm].sum()),
-        "num_steps_cap_hits_sampling": int(cap_hits[warm:].sum()),
-        "leapfrog_steps_warmup": int(leapfrog[:warm].sum()),
-        "leapfrog_steps_sampling": int(leapfrog[warm:].sum()),
-        "chain_gradients": int(gradients),
-        "step_size_search_chain_gradients": int(search_grads),
-        "map_chain_gradients": int(map_grads),
-        "cpu_time_s": cpu,
-        "compile_s": float(compile_s),
-        # iterations at which this run was resumed from its checkpoint, and writes of it
-        "resumed_at": resumed_at,
-        "checkpoint_saves": ckpt.saves if ckpt is not None else 0,
-        "ebfmi": [float(e) for e in ebfmi(stats["energy"][:, warm:])],
-    })
-    capped_length = wanted_length > cap * step * (1 + 1e-12)
-    diagnostics["trajectory_length_wanted"] = float(wanted_length)
-    diagnostics["trajectory_length_capped"] = bool(capped_length)
+    diagnostics = posterior.diagnostics
+    if max_draws is not None:
+        diagnostics["extensions"] = extensions
+    capped_length = diagnostics["trajectory_length_capped"]
     if capped_length:
         warnings.warn(
             f"chees: the adapted trajectory length {wanted_length:.3g} needs more than max_num_steps={cap} "
@@ -1094,14 +1165,19 @@ def _run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[st
             f"chees: the trajectory needed more than max_num_steps={cap} leapfrog steps in "
             f"{int(cap_hits[warm:].sum())} of {draws} sampling iterations, so those trajectories were "
             "shortened; raise max_num_steps or check the adapted step size", UserWarning, stacklevel=3)
-    posterior.diagnostics = diagnostics
-    posterior.adaptation = {"step_size": step_row, "trajectory_length": length_row, "num_steps": num_steps_row}
-    if replica_rows is not None:
-        # [kept chains, iterations]: the replica (0 .. K-1, its starting row) in each beta = 1 slot
-        posterior.adaptation["replica"] = replica_rows.t().cpu().numpy()
-    diagnostics.update(posterior.convergence_summary(x[: options["diagnostic_points"]]))
-    _certify(posterior, x[: options["diagnostic_points"]])
     return posterior
+
+
+def _grow(t: torch.Tensor, add: int) -> torch.Tensor:
+    """``t`` with ``add`` rows of zeros appended along its first dimension."""
+    return torch.cat([t, t.new_zeros((add, *t.shape[1:]))])
+
+
+def _digest(points: torch.Tensor) -> dict[str, Any]:
+    """How many certification inputs, and the SHA-256 of their float64 values (what the
+    posterior's settings record instead of the tensor)."""
+    values = points.detach().to("cpu", torch.float64).contiguous().numpy()
+    return {"points": int(values.shape[0]), "sha256": hashlib.sha256(values.tobytes()).hexdigest()}
 
 
 def _window_start(num_warmup: int) -> int:
