@@ -962,7 +962,8 @@ def _run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[st
     settings = {**options, "certify_inputs": _digest(points) if options["certify_inputs"] is not None else None}
 
     def result() -> MCMCPosterior:
-        """The chains so far as the posterior, with its diagnostics and certification."""
+        """The chains so far as the posterior, with its diagnostics and certification (not yet the
+        convergence summary: its weight-space part costs ~10x the certification)."""
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         # every process's seconds: a resumed run costs what all its parts cost (work lost after the
@@ -1039,7 +1040,6 @@ def _run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[st
         if replica_rows is not None:
             # [kept chains, iterations]: the replica (0 .. K-1, its starting row) in each beta = 1 slot
             posterior.adaptation["replica"] = replica_rows.t().cpu().numpy()
-        diagnostics.update(posterior.convergence_summary(points))
         _certify(posterior, points)
         return posterior
 
@@ -1151,6 +1151,7 @@ def _run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[st
     if bar is not None:
         bar.close()
     diagnostics = posterior.diagnostics
+    diagnostics.update(posterior.convergence_summary(points))
     if max_draws is not None:
         diagnostics["extensions"] = extensions
     capped_length = diagnostics["trajectory_length_capped"]
