@@ -554,7 +554,8 @@ def small_quickstart(tmp_path: Path) -> Path:
         ds.update({k: v for k, v in {"num_train": 30, "num_test": 40}.items() if k in ds})
     for table in doc["methods"].values():
         for key, small in {"num_steps": 40, "num_warmup": 15, "num_samples": 15, "num_chains": 2,
-                           "max_tree_depth": 3, "map_num_steps": 20, "num_particles": 4}.items():
+                           "max_tree_depth": 3, "map_num_steps": 20, "num_particles": 4,
+                           "max_num_samples": 25}.items():
             if key in table:
                 table[key] = small
     return write(tmp_path, dump_toml(doc), "quickstart_small.toml")
