@@ -444,15 +444,23 @@ def test_sampling_until_certified_equals_a_run_of_that_length(blr):
     assert direct.certification.to_dict() == cert.to_dict()
 
 
-def test_sampling_until_certified_stops_at_max_num_samples():
+@pytest.mark.parametrize("device", DEVICES)
+def test_sampling_until_certified_stops_at_max_num_samples(device):
     x, y = small_data()
+    held_back = torch.randn(9, 2, generator=torch.Generator().manual_seed(3))
+    kw = dict(method="chees", num_chains=4, num_warmup=5, seed=1, device=device, progress=False,
+              certify_inputs=held_back)
     with uncertified():
-        post = pyrobdl.fit(small_mlp(), x, y, method="chees", num_chains=4, num_warmup=5, num_samples=4,
-                           max_num_samples=11, extend_by=4, progress=False)
+        post = pyrobdl.fit(small_mlp(), x, y, num_samples=4, max_num_samples=11, extend_by=4, **kw)
     ext = post.diagnostics["extensions"]
     assert [e["num_samples"] for e in ext] == [4, 8, 11] and not any(e["certified"] for e in ext)
     assert ext[-1]["failures"] == list(post.certification.failures)
+    assert post.certification.num_points == 9 and post.cost.device.startswith(device)
     assert post.samples["layers.0.weight"].shape[:2] == (4, 11) and post.trace.energy.shape == (4, 16)
+    with uncertified():
+        direct = pyrobdl.fit(small_mlp(), x, y, num_samples=11, **kw)
+    for name in post.samples:  # on the device too: the same draws as the run started with 11
+        assert torch.equal(post.samples[name], direct.samples[name]), name
 
 
 def test_certify_inputs_are_what_the_chains_are_certified_at(tmp_path):
