@@ -425,6 +425,35 @@ def test_training_gap():
     assert training_gap(np.linspace(-1, 1, 60)) is None
 
 
+def test_off_scale_methods_of_equal_cost_get_their_own_rows(tmp_path, monkeypatch):
+    """Two methods far below the rest at the same cost: each triangle and its value in a row of
+    its own below the data (the worst outermost), so the two texts do not overlap (they did, one
+    over the other, in a quickstart report: bbvi and Gaussian dropout)."""
+    import pyrobdl.report.figures as figures
+
+    items = [record("toy", m, 0, metrics={"test_ll": ll}) for m, ll in
+             (("a", 0.70), ("b", 0.65), ("c", 0.60), ("worse", -4.0), ("worst", -40.0))]
+    captured = []
+    monkeypatch.setattr(figures, "encode", lambda fig, title, caption="": captured.append(fig) or caption)
+    from pyrobdl.compare import list_results
+
+    figures.quality_vs_cost(list_results(store(tmp_path / "res", items)), "toy")
+    [fig] = captured
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    for ax in fig.axes:
+        texts = {t.get_text().split(":")[0]: t for t in ax.texts if "off scale" in t.get_text()}
+        assert sorted(texts) == ["worse", "worst"]
+        boxes = {k: t.get_window_extent(renderer) for k, t in texts.items()}
+        assert not boxes["worse"].overlaps(boxes["worst"])
+        assert boxes["worst"].y1 <= boxes["worse"].y0  # the worst below (pixel y grows upwards)
+        low, _ = ax.get_ylim()
+        assert all(low < t.xy[1] < 0.60 for t in texts.values())  # inside the axes, below the data
+
+
 def test_quality_vs_cost_draws_off_scale_methods_with_their_value(tmp_path):
     from pyrobdl.compare import list_results
     from pyrobdl.report.figures import quality_vs_cost

@@ -119,7 +119,13 @@ def quality_vs_cost(records: Sequence[Mapping[str, Any]], dataset: str) -> Figur
     ys = {label: mean_se(metric_values(recs, metric)) for label, recs in groups.items()}
     lo, hi = _robust_range([m for m, _, n in ys.values() if n], higher_is_better=up)
     pad = 0.08 * (hi - lo) if hi > lo else 1.0
-    fig = _new(13, 5.2)
+    # off-scale methods: each its own row beyond the edge (the worst outermost), so that two of
+    # similar cost do not write their values over each other
+    below = sorted((k for k, (m, _, n) in ys.items() if n and m < lo), key=lambda k: -ys[k][0])
+    above = sorted((k for k, (m, _, n) in ys.items() if n and m > hi), key=lambda k: ys[k][0])
+    edges = {k: lo - (0.6 + _ROW * i) * pad for i, k in enumerate(below)}
+    edges.update({k: hi + (0.6 + _ROW * i) * pad for i, k in enumerate(above)})
+    fig = _new(13, 5.2 + 0.25 * max(len(below) + len(above) - 1, 0))
     axes = fig.subplots(1, 2, sharey=True)
     clipped = []
     for ax, key in zip(axes, ("gradient_evaluations", _cost_key(groups))):
@@ -131,9 +137,8 @@ def quality_vs_cost(records: Sequence[Mapping[str, Any]], dataset: str) -> Figur
                 continue
             pts[label] = (x, y)
             if not lo <= y <= hi:  # far off the others: a hollow triangle at the edge, value beside it
-                below = y < lo
-                edge = lo - 0.6 * pad if below else hi + 0.6 * pad
-                ax.plot([x], [edge], "v" if below else "^", ms=11, mfc="white", mec=colors[label], mew=2)
+                edge = edges[label]
+                ax.plot([x], [edge], "v" if y < lo else "^", ms=11, mfc="white", mec=colors[label], mew=2)
                 ax.annotate(f"{label}: {y:.3g} (off scale)", (x, edge), xytext=(8, 0), textcoords="offset points",
                             va="center", fontsize=9, color=colors[label], style="italic")
                 if key == "gradient_evaluations":
@@ -148,7 +153,8 @@ def quality_vs_cost(records: Sequence[Mapping[str, Any]], dataset: str) -> Figur
         if len(front) > 1:
             fx, fy = zip(*(on_scale[k] for k in front))
             ax.step(fx, fy, where="post", color="0.35", lw=1.2, ls="--", zorder=0, label="Pareto front")
-            ax.legend(fontsize=9, loc="lower right" if up else "upper right")
+            if ax is axes[0]:  # one legend: in the right panel it covered an off-scale method's value
+                ax.legend(fontsize=9, loc="lower right" if up else "upper right")
         ax.set_xscale("log")
         ax.xaxis.set_minor_formatter(NullFormatter())
         xs = [v[0] for v in pts.values()]
@@ -156,7 +162,7 @@ def quality_vs_cost(records: Sequence[Mapping[str, Any]], dataset: str) -> Figur
             ax.set_xlim(10 ** math.floor(math.log10(min(xs) / 1.5)), 10 ** math.ceil(math.log10(max(xs) * 4)))
         ax.set_xlabel(COST_AXES[key])
         ax.grid(alpha=0.3)
-    axes[0].set_ylim(lo - 1.2 * pad, hi + 1.2 * pad)
+    axes[0].set_ylim(lo - (1.2 + _ROW * max(len(below) - 1, 0)) * pad, hi + (1.2 + _ROW * max(len(above) - 1, 0)) * pad)
     unit = METRIC_UNITS.get(metric, "")
     axes[0].set_ylabel(f"{metric}{' (' + unit + ')' if unit else ''}, {'higher' if up else 'lower'} is better")
     note = f" Off the scale (hollow triangles at the edge, value beside them): {', '.join(clipped)}." if clipped else ""
@@ -165,6 +171,10 @@ def quality_vs_cost(records: Sequence[Mapping[str, Any]], dataset: str) -> Figur
                   f"(left) and {'process CPU seconds' if _cost_key(groups) == 'cpu_time_s' else 'wall seconds'} (right; "
                   "on a shared machine wall time also measures other jobs). Dashed: the Pareto front, the methods no "
                   f"other method beats on both quality and cost.{note}")
+
+
+#: Distance between two rows of off-scale methods, in units of the plot's padding (8% of the range).
+_ROW = 1.0
 
 
 def _robust_range(values: Sequence[float], *, higher_is_better: bool) -> tuple[float, float]:
