@@ -340,6 +340,40 @@ def verdict_results(tmp_path: Path, *, label_b: str = "cheap", warning: str | No
     return store(tmp_path / "res", items)
 
 
+def extended_references(tmp_path: Path, splits: dict) -> list:
+    """chees references sampled until certified (``diagnostics["extensions"]``), one per split,
+    and a method evaluated against each: ``splits`` maps split -> [(draws, certified), ...]."""
+    from pyrobdl.compare import list_results
+
+    items = []
+    for split, rounds in splits.items():
+        ext = [{"num_samples": n, "certified": ok, "failures": [] if ok else [FAILURE]} for n, ok in rounds]
+        ref_id, ref, arrays = record("toy", "chees", split, metrics={"test_ll": 0.6}, diagnostics={"extensions": ext})
+        ref.update(is_reference=True, certification=certification(rounds[-1][1]))
+        cid, rec, arrays_b = record("toy", "map", split, metrics={"test_ll": 0.5}, reference_used=True)
+        rec["reference"].update(cell=ref_id, certified=rounds[-1][1])
+        items += [(ref_id, ref, arrays), (cid, rec, arrays_b)]
+    return list_results(store(tmp_path / "res", items))
+
+
+def test_the_verdict_says_how_many_draws_the_reference_needed(tmp_path):
+    from pyrobdl.compare import list_results
+    from pyrobdl.report.verdicts import verdict
+
+    line = verdict(extended_references(tmp_path / "a", {0: [(150, False), (250, False), (350, True)]}))[0]
+    assert line.startswith("Reference posterior: chees, certified (")
+    assert line.endswith(" Sampled until certified: 350 draws per chain (not certified at 150, 250).")
+    line = verdict(extended_references(tmp_path / "b", {0: [(300, False), (1000, False)]}))[0]
+    assert line.startswith("Reference posterior: chees, NOT certified (")
+    assert line.endswith("Sampled until certified, up to max_num_samples: not certified at 1000 draws per chain "
+                         "either.")
+    line = verdict(extended_references(tmp_path / "c", {0: [(300, True)], 1: [(300, False), (400, False)]}))[0]
+    assert line.endswith("Sampled until certified, draws per chain: split 0: 300 (certified), split 1: 400 "
+                         "(not certified: max_num_samples).")
+    # references of a fixed length say nothing of it
+    assert "Sampled" not in verdict(list_results(verdict_results(tmp_path / "d")))[0]
+
+
 def test_each_dataset_opens_with_a_verdict(tmp_path):
     files = build_report(verdict_results(tmp_path))
     md, html = files.markdown.read_text(), files.html.read_text()

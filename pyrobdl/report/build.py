@@ -6,7 +6,6 @@ refitted, so a report can be rebuilt anywhere from a copied results folder.
 
 from __future__ import annotations
 
-import json
 import time
 from collections import Counter
 from dataclasses import dataclass

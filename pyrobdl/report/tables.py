@@ -244,6 +244,28 @@ def reference_status(records: Sequence[Mapping[str, Any]]) -> tuple[str, bool]:
             f"({UNCERTIFIED_MARK.strip()})."), False
 
 
+def reference_extensions(records: Sequence[Mapping[str, Any]]) -> str:
+    """How many draws per chain the reference needed, for references sampled until certified
+    (``chees`` with ``max_num_samples``: ``diagnostics["extensions"]``); "" for the others."""
+    rows = [(r.get("split"), (r.get("diagnostics") or {}).get("extensions")) for r in _reference_cells(records)]
+    rows = [(split, ext) for split, ext in rows if isinstance(ext, list) and ext]
+    if not rows:
+        return ""
+
+    if len(rows) == 1:
+        ext = rows[0][1]
+        last, before = ext[-1], ", ".join(str(e.get("num_samples")) for e in ext[:-1])
+        if last.get("certified"):
+            return (f"Sampled until certified: {last.get('num_samples')} draws per chain"
+                    + (f" (not certified at {before})." if before else "."))
+        return (f"Sampled until certified, up to max_num_samples: not certified at {last.get('num_samples')} "
+                "draws per chain either.")
+    return "Sampled until certified, draws per chain: " + ", ".join(
+        f"split {split}: {ext[-1].get('num_samples')} "
+        + ("(certified)" if ext[-1].get("certified") else "(not certified: max_num_samples)")
+        for split, ext in rows) + "."
+
+
 def _flag(text: str, uncertified: bool) -> tuple[str, str]:
     return (text + UNCERTIFIED_MARK, "uncertified") if uncertified and text != "—" else (text, "")
 

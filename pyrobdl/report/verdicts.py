@@ -28,6 +28,7 @@ from .tables import (
     mean_se,
     metric_values,
     ok_records,
+    reference_extensions,
     reference_methods,
     reference_metric_keys,
     reference_status,
@@ -159,6 +160,9 @@ def verdict(records: Sequence[Mapping[str, Any]]) -> tuple[str, ...]:
             why = status.split("is NOT certified: ", 1)[-1].split("; agreement numbers below", 1)[0]
             lines.append(f"Reference posterior: {', '.join(refs)}, NOT certified ({why}): every agreement number "
                          "below is greyed and means nothing.")
+        note = reference_extensions(records)
+        if note:
+            lines[-1] += " " + note
     else:
         lines.append("No reference posterior in this suite: agreement with one is not measured.")
     metric = headline_metric(records)
