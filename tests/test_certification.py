@@ -343,6 +343,27 @@ def test_fit_warns_when_an_mcmc_posterior_is_not_certified():
     assert svi.certification is None
 
 
+@pytest.mark.parametrize("method", ["nuts", "hmc", "chees"])
+def test_every_mcmc_method_certifies_at_certify_inputs(method, tmp_path):
+    """certify_inputs (held-back inputs, what the suite passes) replace the first diagnostic_points
+    training inputs for every chain method alike; the settings record their number and SHA-256."""
+    x, y = tiny_data()
+    held_back = torch.randn(6, 3, generator=torch.Generator().manual_seed(4))
+    short = {"hmc": TINY_HMC,
+             "nuts": dict(method="nuts", num_warmup=5, num_samples=8, num_chains=2, progress=False),
+             "chees": dict(method="chees", num_chains=4, num_warmup=10, num_samples=8, progress=False)}[method]
+    with pytest.warns(UserWarning, match=f"the {method} posterior is not certified"):
+        post = pyrobdl.fit(blr_model(), x, y, certify_inputs=held_back, **short)
+    assert post.certification.num_points == 6
+    assert post.certification.to_dict() == certify(post, held_back, post.certification.criteria).to_dict()
+    assert post.certification.to_dict() != certify(post, x[:20], post.certification.criteria).to_dict()
+    recorded = post.settings["certify_inputs"]
+    assert recorded["points"] == 6 and len(recorded["sha256"]) == 64
+    assert pyrobdl.load_posterior(post.save(tmp_path / method)).settings["certify_inputs"] == recorded
+    with pytest.raises(ValueError, match="certify_inputs has 2 features but the model has in_features=3"):
+        pyrobdl.fit(blr_model(), x, y, certify_inputs=torch.zeros(4, 2), **short)
+
+
 def test_reference_files_carry_the_certification(tmp_path):
     x, y = tiny_data()
     x_eval = x[:7]

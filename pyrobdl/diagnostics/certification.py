@@ -61,6 +61,7 @@ __all__ = [
     "Certification",
     "CertificationCriteria",
     "attach_certification",
+    "certification_points",
     "certify",
     "ebfmi",
     "nested_rhat",
@@ -580,6 +581,42 @@ def certify(posterior: Any, x: Any, criteria: CertificationCriteria | None = Non
         ess_bulk_min=ess_bulk_min, ess_tail_min=ess_tail_min, divergences=divergences, ebfmi_min=ebfmi_min,
         num_points=n, num_chains=c, num_draws=d, criteria=criteria,
     )
+
+
+def certification_points(model: Any, x: torch.Tensor, options: Mapping[str, Any]) -> tuple[torch.Tensor, Any]:
+    """The inputs an MCMC method certifies its chains at, and what its settings record of them.
+
+    Parameters
+    ----------
+    model : pyrobdl.BayesianMLP
+    x : torch.Tensor
+        The training inputs (on the run's device).
+    options : Mapping
+        The method's options: ``certify_inputs`` (None, or inputs ``[n, in_features]``, e.g.
+        held-back test inputs) and ``diagnostic_points``.
+
+    Returns
+    -------
+    points : torch.Tensor
+        ``certify_inputs`` on ``x``'s device and dtype, else the first ``diagnostic_points``
+        rows of ``x``.
+    recorded : dict or None
+        For the posterior's settings in place of the tensor: the number of points and the
+        SHA-256 of their float64 values; None when ``certify_inputs`` is None.
+
+    Raises
+    ------
+    ValueError
+        ``certify_inputs`` not 2-D with the model's ``in_features`` columns, empty or not finite.
+    """
+    given = options.get("certify_inputs")
+    if given is None:
+        return x[: int(options["diagnostic_points"])], None
+    import hashlib
+
+    points = check_inputs(model, given, "certify_inputs").to(device=x.device, dtype=x.dtype)
+    values = points.detach().to("cpu", torch.float64).contiguous().numpy()
+    return points, {"points": int(values.shape[0]), "sha256": hashlib.sha256(values.tobytes()).hexdigest()}
 
 
 def attach_certification(posterior: Any, x: Any, criteria: CertificationCriteria | None = None) -> Certification:

@@ -37,7 +37,6 @@ every diagnostic, the ArviZ adapter, the suite and the report treat it like ``"n
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 import numbers
@@ -50,7 +49,8 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from ..diagnostics.certification import CertificationCriteria, attach_certification, ebfmi
+from ..diagnostics.certification import CertificationCriteria, attach_certification, certification_points, ebfmi
+from .._validation import check_inputs
 from ..flat import FlatLogJoint
 from ..posterior import Cost, Posterior
 from .checkpoint import CheckpointError, SamplerCheckpoint, run_identity
@@ -161,8 +161,6 @@ def _check_options(model: Any, options: Mapping[str, Any]) -> None:
                              f"{options['num_samples']} (the draws per chain before the first certification), "
                              "or None: no extension")
     if options["certify_inputs"] is not None:
-        from .._validation import check_inputs
-
         check_inputs(model, options["certify_inputs"], "certify_inputs")
     for name in ("init_trajectory_length", "trajectory_lr", "map_lr", "divergence_threshold"):
         _positive(options, name)
@@ -821,12 +819,7 @@ def _run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[st
                 f"extend it, not shorten it (num_samples={draws}, max_num_samples={max_draws} now): pass "
                 f"num_samples or max_num_samples >= {saved['num_samples']}")
     # the inputs the chains are certified at (and, with max_num_samples, extended until they pass)
-    if options["certify_inputs"] is not None:
-        from .._validation import check_inputs
-
-        points = check_inputs(model, options["certify_inputs"], "certify_inputs").to(device=device, dtype=x.dtype)
-    else:
-        points = x[: options["diagnostic_points"]]
+    points, recorded_points = certification_points(model, x, options)
     lj = FlatLogJoint(model, x, y, chunk_size=options["chunk_size"])
     compile_s = _compile(lj, k, options["compile"])
     if saved is None:
@@ -959,7 +952,7 @@ def _run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[st
 
     bar = None
     # what the posterior records of its options: the certification inputs by their digest
-    settings = {**options, "certify_inputs": _digest(points) if options["certify_inputs"] is not None else None}
+    settings = {**options, "certify_inputs": recorded_points}
 
     def result() -> MCMCPosterior:
         """The chains so far as the posterior, with its diagnostics and certification (not yet the
@@ -1172,13 +1165,6 @@ def _run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[st
 def _grow(t: torch.Tensor, add: int) -> torch.Tensor:
     """``t`` with ``add`` rows of zeros appended along its first dimension."""
     return torch.cat([t, t.new_zeros((add, *t.shape[1:]))])
-
-
-def _digest(points: torch.Tensor) -> dict[str, Any]:
-    """How many certification inputs, and the SHA-256 of their float64 values (what the
-    posterior's settings record instead of the tensor)."""
-    values = points.detach().to("cpu", torch.float64).contiguous().numpy()
-    return {"points": int(values.shape[0]), "sha256": hashlib.sha256(values.tobytes()).hexdigest()}
 
 
 def _window_start(num_warmup: int) -> int:

@@ -61,6 +61,7 @@ _COMMON = {
     "map_num_steps": 1000,
     "map_lr": 1e-2,
     "diagnostic_points": 50,
+    "certify_inputs": None,
 }
 NUTS_OPTIONS = {**_COMMON, "max_tree_depth": 10}
 # A quarter period of a unit-scale Gaussian (the scale the adapted mass matrix aims at): an
@@ -292,6 +293,10 @@ def _check_options(options: Mapping[str, Any]) -> None:
 def _check_model(model: Any, options: Mapping[str, Any]) -> None:
     require_proper_prior(model, options)
     _check_options(options)
+    if options["certify_inputs"] is not None:
+        from .._validation import check_inputs
+
+        check_inputs(model, options["certify_inputs"], "certify_inputs")
     if options["init_strategy"] == "ensemble":  # trained on the flat log joint: refuse what it cannot do
         from ..flat import _check_supported
 
@@ -442,15 +447,18 @@ def run_mcmc(
     leapfrog = int(trace.num_steps.sum())
     cost = Cost(wall_time_s=wall, gradient_evaluations=leapfrog + map_grads, epochs=float(leapfrog + map_grads),
                 peak_memory_bytes=_peak_memory(device), device=str(device), cpu_time_s=cpu)
-    posterior = MCMCPosterior(model, draws, trace, method=method, settings=dict(options), cost=cost)
+    # certified at certify_inputs (e.g. held-back inputs), else the first diagnostic_points training inputs
+    from ..diagnostics.certification import attach_certification, certification_points
+
+    points, recorded_points = certification_points(model, x, options)
+    posterior = MCMCPosterior(model, draws, trace, method=method,
+                              settings={**options, "certify_inputs": recorded_points}, cost=cost)
     diagnostics = _sampler_summary(trace, accept_rates, other_grads, map_grads, options, capped)
-    diagnostics.update(posterior.convergence_summary(x[: options["diagnostic_points"]]))
+    diagnostics.update(posterior.convergence_summary(points))
     posterior.diagnostics = diagnostics
     _warn_saturation(diagnostics, options)
     # reference certification at the same points (fit warns when it fails; docs/diagnostics.md)
-    from ..diagnostics.certification import attach_certification
-
-    attach_certification(posterior, x[: options["diagnostic_points"]])
+    attach_certification(posterior, points)
     return posterior
 
 
