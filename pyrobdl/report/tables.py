@@ -251,7 +251,6 @@ def reference_extensions(records: Sequence[Mapping[str, Any]]) -> str:
     rows = [(split, ext) for split, ext in rows if isinstance(ext, list) and ext]
     if not rows:
         return ""
-
     if len(rows) == 1:
         ext = rows[0][1]
         last, before = ext[-1], ", ".join(str(e.get("num_samples")) for e in ext[:-1])
