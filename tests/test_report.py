@@ -488,6 +488,34 @@ def test_off_scale_methods_of_equal_cost_get_their_own_rows(tmp_path, monkeypatc
         assert all(low < t.xy[1] < 0.60 for t in texts.values())  # inside the axes, below the data
 
 
+def test_labels_of_methods_close_in_cost_and_quality_do_not_overlap(tmp_path, monkeypatch):
+    """Two methods at nearly the same cost and quality (hmc and nuts in a quickstart report wrote
+    their names over each other): the labels are moved apart, each still beside its point."""
+    import pyrobdl.report.figures as figures
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from pyrobdl.compare import list_results
+
+    items = [record("toy", m, 0, metrics={"test_ll": ll}) for m, ll in
+             (("first", 0.600), ("second", 0.6001), ("third", 0.5999), ("apart", 0.590))]
+    captured = []
+    monkeypatch.setattr(figures, "encode", lambda fig, title, caption="": captured.append(fig) or caption)
+    figures.quality_vs_cost(list_results(store(tmp_path / "res", items)), "toy")
+    [fig] = captured
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    for ax in fig.axes:
+        boxes = {t.get_text(): t.get_window_extent(renderer) for t in ax.texts}
+        assert {"first", "second", "third", "apart"} <= set(boxes)
+        names = ["first", "second", "third"]
+        for i, a in enumerate(names):
+            for b in names[i + 1:]:
+                assert not boxes[a].overlaps(boxes[b]), (a, b)
+        for t in ax.texts:  # beside its own point: moved up by at most a few label heights
+            assert 0 <= t.xyann[1] - 4 < 40
+
+
 def test_quality_vs_cost_draws_off_scale_methods_with_their_value(tmp_path):
     from pyrobdl.compare import list_results
     from pyrobdl.report.figures import quality_vs_cost

@@ -128,8 +128,11 @@ def quality_vs_cost(records: Sequence[Mapping[str, Any]], dataset: str) -> Figur
     fig = _new(13, 5.2 + 0.25 * max(len(below) + len(above) - 1, 0))
     axes = fig.subplots(1, 2, sharey=True)
     clipped = []
+    panels = []
     for ax, key in zip(axes, ("gradient_evaluations", _cost_key(groups))):
         pts: dict[str, tuple[float, float]] = {}
+        names: list = []
+        panels.append(names)
         for label, recs in groups.items():
             y, yse, n = ys[label]
             x, xse, _ = mean_se([(r.get("cost") or {}).get(key) for r in recs])
@@ -146,7 +149,8 @@ def quality_vs_cost(records: Sequence[Mapping[str, Any]], dataset: str) -> Figur
                 continue
             ax.errorbar([x], [y], yerr=[0 if math.isnan(yse) else yse], xerr=[0 if math.isnan(xse) else xse],
                         fmt=markers[label], color=colors[label], ms=8, capsize=3)
-            ax.annotate(label, (x, y), xytext=(7, 4), textcoords="offset points", fontsize=9, color=colors[label])
+            names.append(ax.annotate(label, (x, y), xytext=(7, 4), textcoords="offset points", fontsize=9,
+                                     color=colors[label]))
         on_scale = {k: v for k, v in pts.items() if lo <= v[1] <= hi}
         labels = list(on_scale)
         front = [labels[i] for i in pareto_front([on_scale[k] for k in labels], higher_is_better=up)]
@@ -163,6 +167,8 @@ def quality_vs_cost(records: Sequence[Mapping[str, Any]], dataset: str) -> Figur
         ax.set_xlabel(COST_AXES[key])
         ax.grid(alpha=0.3)
     axes[0].set_ylim(lo - (1.2 + _ROW * max(len(below) - 1, 0)) * pad, hi + (1.2 + _ROW * max(len(above) - 1, 0)) * pad)
+    for names in panels:
+        _spread_labels(fig, names)
     unit = METRIC_UNITS.get(metric, "")
     axes[0].set_ylabel(f"{metric}{' (' + unit + ')' if unit else ''}, {'higher' if up else 'lower'} is better")
     note = f" Off the scale (hollow triangles at the edge, value beside them): {', '.join(clipped)}." if clipped else ""
@@ -175,6 +181,34 @@ def quality_vs_cost(records: Sequence[Mapping[str, Any]], dataset: str) -> Figur
 
 #: Distance between two rows of off-scale methods, in units of the plot's padding (8% of the range).
 _ROW = 1.0
+
+
+def _spread_labels(fig: Any, labels: Sequence[Any], gap_px: float = 1.0) -> None:
+    """Move a panel's method labels apart until no two overlap: from the lowest up, a label that
+    overlaps one already placed goes up just past it (each stays beside its own point)."""
+    if len(labels) < 2:
+        return
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    fig.draw_without_rendering()  # the constrained layout, so that the extents are final
+    points_per_px = 72.0 / fig.dpi
+    boxes = {id(t): t.get_window_extent(renderer) for t in labels}
+    placed: list = []
+    for text in sorted(labels, key=lambda t: boxes[id(t)].y0):
+        box = boxes[id(text)]
+        moved = 0.0
+        for _ in range(len(placed)):
+            hits = [b for b in placed if b.overlaps(box)]
+            if not hits:
+                break
+            step = max(b.y1 for b in hits) - box.y0 + gap_px
+            box = box.translated(0, step)
+            moved += step
+        if moved:
+            dx, dy = text.xyann
+            text.xyann = (dx, dy + moved * points_per_px)
+        placed.append(box)
 
 
 def _robust_range(values: Sequence[float], *, higher_is_better: bool) -> tuple[float, float]:
