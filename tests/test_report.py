@@ -459,25 +459,30 @@ def test_training_gap():
     assert training_gap(np.linspace(-1, 1, 60)) is None
 
 
+def drawn_quality_vs_cost(tmp_path, monkeypatch, test_ll: dict):
+    """The quality-versus-cost figure of one method per ``test_ll`` entry (all at the same cost),
+    as matplotlib drew it, and the renderer that measures its texts."""
+    import pyrobdl.report.figures as figures
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from pyrobdl.compare import list_results
+
+    items = [record("toy", m, 0, metrics={"test_ll": ll}) for m, ll in test_ll.items()]
+    captured = []
+    monkeypatch.setattr(figures, "encode", lambda fig, title, caption="": captured.append(fig) or caption)
+    figures.quality_vs_cost(list_results(store(tmp_path / "res", items)), "toy")
+    [fig] = captured
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    return fig, canvas.get_renderer()
+
+
 def test_off_scale_methods_of_equal_cost_get_their_own_rows(tmp_path, monkeypatch):
     """Two methods far below the rest at the same cost: each triangle and its value in a row of
     its own below the data (the worst outermost), so the two texts do not overlap (they did, one
     over the other, in a quickstart report: bbvi and Gaussian dropout)."""
-    import pyrobdl.report.figures as figures
-
-    items = [record("toy", m, 0, metrics={"test_ll": ll}) for m, ll in
-             (("a", 0.70), ("b", 0.65), ("c", 0.60), ("worse", -4.0), ("worst", -40.0))]
-    captured = []
-    monkeypatch.setattr(figures, "encode", lambda fig, title, caption="": captured.append(fig) or caption)
-    from pyrobdl.compare import list_results
-
-    figures.quality_vs_cost(list_results(store(tmp_path / "res", items)), "toy")
-    [fig] = captured
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-    canvas = FigureCanvasAgg(fig)
-    canvas.draw()
-    renderer = canvas.get_renderer()
+    fig, renderer = drawn_quality_vs_cost(tmp_path, monkeypatch,
+                                          {"a": 0.70, "b": 0.65, "c": 0.60, "worse": -4.0, "worst": -40.0})
     for ax in fig.axes:
         texts = {t.get_text().split(":")[0]: t for t in ax.texts if "off scale" in t.get_text()}
         assert sorted(texts) == ["worse", "worst"]
@@ -489,22 +494,10 @@ def test_off_scale_methods_of_equal_cost_get_their_own_rows(tmp_path, monkeypatc
 
 
 def test_labels_of_methods_close_in_cost_and_quality_do_not_overlap(tmp_path, monkeypatch):
-    """Two methods at nearly the same cost and quality (hmc and nuts in a quickstart report wrote
+    """Methods at nearly the same cost and quality (hmc and nuts in a quickstart report wrote
     their names over each other): the labels are moved apart, each still beside its point."""
-    import pyrobdl.report.figures as figures
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-    from pyrobdl.compare import list_results
-
-    items = [record("toy", m, 0, metrics={"test_ll": ll}) for m, ll in
-             (("first", 0.600), ("second", 0.6001), ("third", 0.5999), ("apart", 0.590))]
-    captured = []
-    monkeypatch.setattr(figures, "encode", lambda fig, title, caption="": captured.append(fig) or caption)
-    figures.quality_vs_cost(list_results(store(tmp_path / "res", items)), "toy")
-    [fig] = captured
-    canvas = FigureCanvasAgg(fig)
-    canvas.draw()
-    renderer = canvas.get_renderer()
+    fig, renderer = drawn_quality_vs_cost(tmp_path, monkeypatch,
+                                          {"first": 0.600, "second": 0.6001, "third": 0.5999, "apart": 0.590})
     for ax in fig.axes:
         boxes = {t.get_text(): t.get_window_extent(renderer) for t in ax.texts}
         assert {"first", "second", "third", "apart"} <= set(boxes)
