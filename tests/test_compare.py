@@ -667,6 +667,28 @@ def test_a_run_killed_inside_a_chees_reference_resumes_that_cell(tmp_path, monke
     assert not ckpt.exists() and not list((out / "checkpoints").iterdir())
 
 
+def test_a_chain_method_without_certify_inputs_is_certified_by_the_runner(tmp_path, monkeypatch):
+    """A registered chain method that does not take certify_inputs (a plugin's own sampler) is
+    certified by the runner at the held-back inputs: its fit certified at training inputs."""
+    from pyrobdl.inference import registry
+    from pyrobdl.inference.registry import Method
+
+    hmc = registry.get_method("hmc")
+    options = {k: v for k, v in hmc.options.items() if k != "certify_inputs"}
+    monkeypatch.setitem(registry._REGISTRY, "plain_hmc", Method("plain_hmc", options, hmc.run, "test only",
+                                                               check_model=lambda model, opts: None))
+    text = (TINY.replace("[suite]", '[suite]\nreference = "plain_hmc"').replace("splits = [0, 1]", "splits = [0]")
+            + "\n[methods.plain_hmc]\nnum_warmup = 5\nnum_samples = 8\nnum_chains = 2\nnum_steps = 3\n")
+    out = tmp_path / "out"
+    assert run(write(tmp_path, text), out).success
+    ref = read_result(out / "cells" / "gap__plain_hmc__split-0__seed-0" / RESULT_FILE)
+    assert ref["certification"]["num_points"] == 30  # the 30 test points
+    assert ref["diagnostics"]["certification"]["num_points"] == 20  # the fit's: the 20 training points
+    assert ref["settings"].get("certify_inputs") is None
+    assert any(w.startswith("certify: the plain_hmc posterior is not certified on held-back inputs")
+               for w in ref["warnings"])
+
+
 def test_a_chees_reference_is_certified_and_extended_at_held_back_inputs(tmp_path):
     """The runner hands a method that takes ``certify_inputs`` the test split's first points: the
     fit's own certification, the extension of max_num_samples and the record's certification are

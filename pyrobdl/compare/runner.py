@@ -489,6 +489,7 @@ def _compute_cell(task: CellTask, log: io.StringIO) -> CellResult:
                           "loaded_by": "driver (shipped)" if task.data is not None else "worker"}
         stage = "fit"
         cpu_fit = time.process_time()
+        certifies_held_back = "certify_inputs" in get_method(spec["method"]["name"]).options
         # fit's warnings (not certified as a reference, a saturated sampler) belong in the record
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", UserWarning)
@@ -496,9 +497,9 @@ def _compute_cell(task: CellTask, log: io.StringIO) -> CellResult:
                 options = dict(spec["method"]["options"])
                 if task.checkpoint is not None:
                     options["checkpoint"] = task.checkpoint
-                if "certify_inputs" in get_method(spec["method"]["name"]).options:
+                if certifies_held_back:
                     # certified at held-back inputs (and, with max_num_samples, sampled until certified
-                    # there): the test split's first points, those certified below
+                    # there): the test split's first points
                     options["certify_inputs"] = data.x_test[: int(options["diagnostic_points"])]
                 posterior = fit(
                     model, data.x_train, data.y_train, spec["method"]["name"], seed=cell.seed,
@@ -508,10 +509,11 @@ def _compute_cell(task: CellTask, log: io.StringIO) -> CellResult:
                 record["warnings"] += _warning_texts("fit", caught)
         certification = getattr(posterior, "certification", None)
         if certification is not None and callable(getattr(posterior, "certify", None)):
-            # the suite certifies on held-back inputs: the test split's first points (the fit's
-            # own certification, on training inputs, stays in the diagnostics)
-            points = int(posterior.settings.get("diagnostic_points", 50))
-            certification = posterior.certify(data.x_test[:points].to(posterior.model.device))
+            # the suite certifies on held-back inputs, the test split's first points: the fit already
+            # did when it took them as certify_inputs; a chain method that does not is certified here
+            if not certifies_held_back:
+                points = int(posterior.settings.get("diagnostic_points", 50))
+                certification = posterior.certify(data.x_test[:points].to(posterior.model.device))
             if not certification.passed:
                 record["warnings"].append(
                     f"certify: the {cell.method} posterior is not certified on held-back inputs: "
