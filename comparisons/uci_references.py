@@ -21,8 +21,10 @@ Usage (from the repository root)::
 
 With ``--checkpoint-dir DIR`` each split's chees run writes its state to ``DIR`` (every
 ``--checkpoint-every`` seconds): the same command resumes a killed run where it stopped, with the
-same draws; ``--extend-to N`` (with ``--extend-by M``) extends a run that is not certified by M
-draws per chain at a time, up to N, without redoing any draw::
+same draws; ``--extend-to N`` (with ``--extend-by M``) extends a run that is not certified (by
+``--extend-until``: split, nested or both R-hats, at the held-back inputs) by M draws per chain
+at a time, up to N, without redoing any draw — chees's own ``max_num_samples``, so a run cut
+inside an extension resumes there from its checkpoint::
 
     nice -n 19 python comparisons/uci_references.py --data-dir ../shared/datasets --datasets wine --splits 5 \
         --warmup 300 --samples 300 --extend-to 900 --extend-by 100 --superchain-starts --compile \
@@ -98,33 +100,25 @@ def checkpoint_path(args: argparse.Namespace, name: str, split: int) -> str | No
 def run_split(name: str, split: int, args: argparse.Namespace) -> dict:
     data = datasets.load_uci(name, split, data_dir=args.data_dir)
     held_back = data.x_test[: args.cert_points]
-    samples, extensions = args.samples, []
-    while True:
-        model = make_model(data.x_train.shape[1])
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            post = pyrobdl.fit(
-                model, data.x_train, data.y_train, method="chees", num_chains=args.chains,
-                num_warmup=args.warmup, num_samples=samples, seed=args.seed, progress=args.progress,
-                init_strategy=args.init_strategy, compile=args.compile,
-                superchain_size=args.superchain if args.superchain_starts else 1, chunk_size=args.chunk_size,
-                mass_matrix=args.mass_matrix, device=args.device, max_num_steps=args.max_num_steps,
-                temperatures=args.temperatures, adapt_temperatures=args.adapt_temperatures,
-                checkpoint=checkpoint_path(args, name, split), checkpoint_every_s=args.checkpoint_every,
-            )
-        split_cert = certify(post, held_back)
-        nested_cert = certify(post, held_back, CertificationCriteria(rhat="nested", superchain_size=args.superchain))
-        passed = {"split": split_cert.passed, "nested": nested_cert.passed,
-                  "both": split_cert.passed and nested_cert.passed}[args.extend_until]
-        extensions.append({"num_samples": samples, "certified_split": split_cert.passed,
-                           "certified_nested": nested_cert.passed, "rhat_split_max": split_cert.rhat_max,
-                           "rhat_nested_max": nested_cert.rhat_max, "cpu_s": post.cost.cpu_time_s})
-        if passed or args.extend_to is None or samples >= args.extend_to:
-            break
-        # not certified yet: the checkpoint of the finished run goes on sampling (no draw is redone)
-        samples = min(args.extend_to, samples + args.extend_by)
-        print(f"{name} split {split}: not certified ({args.extend_until} R-hat) at {extensions[-1]['num_samples']} "
-              f"draws per chain; extending to {samples}", flush=True)
+    model = make_model(data.x_train.shape[1])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        # with --extend-to the fit samples until certified at the held-back inputs (chees's
+        # max_num_samples: extend_by more draws per chain per round, none redrawn)
+        post = pyrobdl.fit(
+            model, data.x_train, data.y_train, method="chees", num_chains=args.chains,
+            num_warmup=args.warmup, num_samples=args.samples, seed=args.seed, progress=args.progress,
+            init_strategy=args.init_strategy, compile=args.compile,
+            superchain_size=args.superchain if args.superchain_starts else 1, chunk_size=args.chunk_size,
+            mass_matrix=args.mass_matrix, device=args.device, max_num_steps=args.max_num_steps,
+            temperatures=args.temperatures, adapt_temperatures=args.adapt_temperatures,
+            checkpoint=checkpoint_path(args, name, split), checkpoint_every_s=args.checkpoint_every,
+            certify_inputs=held_back, max_num_samples=args.extend_to, extend_by=args.extend_by,
+            certify_rhat=args.extend_until if args.extend_to is not None else "auto",
+        )
+    samples = post.num_draws
+    split_cert = certify(post, held_back)
+    nested_cert = certify(post, held_back, CertificationCriteria(rhat="nested", superchain_size=args.superchain))
     total = post.num_chains * post.num_draws
     scores = evaluate(post, data.x_test, data.y_test, num_samples=total, seed=0,
                       y_mean=data.y_mean, y_std=data.y_std)
@@ -147,7 +141,7 @@ def run_split(name: str, split: int, args: argparse.Namespace) -> dict:
         "divergences": split_cert.divergences, "ebfmi_min": split_cert.ebfmi_min,
         "prefixes": prefixes,
         "resumed_at": d["resumed_at"],
-        "extensions": extensions,
+        "extensions": post.diagnostics.get("extensions", []),
         "step_size": d["step_size"], "trajectory_length": d["trajectory_length"],
         "swap_accept_prob": d["swap_accept_prob"], "num_chains_all_rungs": d["num_chains_all_rungs"],
         "step_size_rungs": d["step_size_rungs"], "temperatures_final": d["temperatures"],
@@ -230,16 +224,21 @@ def main() -> None:
                              "(drop its row from --out first)")
     parser.add_argument("--checkpoint-every", type=float, default=300.0, help="seconds between checkpoint writes")
     parser.add_argument("--extend-to", type=int, default=None,
-                        help="while the run is not certified (--extend-until), extend it through its checkpoint by "
-                             "--extend-by draws per chain, up to this many (needs --checkpoint-dir)")
+                        help="while the run is not certified at the held-back inputs (--extend-until), sample "
+                             "--extend-by more draws per chain, up to this many (chees's max_num_samples; with "
+                             "--checkpoint-dir a run cut inside an extension resumes there)")
     parser.add_argument("--extend-by", type=int, default=100)
     parser.add_argument("--extend-until", choices=["split", "nested", "both"], default="both",
-                        help="which R-hat's certification ends the extension")
+                        help="which R-hat's certification ends the extension (chees's certify_rhat; nested and "
+                             "both need --superchain-starts)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--table", action="store_true", help="print the table of --out and exit")
     args = parser.parse_args()
-    if args.extend_to is not None and args.checkpoint_dir is None:
-        parser.error("--extend-to extends runs through their checkpoints: give --checkpoint-dir")
+    if args.extend_to is not None and args.extend_until != "split" and not args.superchain_starts:
+        parser.error(f"--extend-until {args.extend_until} certifies with nested R-hat, which needs chains started in "
+                     "superchains: give --superchain-starts (or --extend-until split)")
+    if args.extend_to is not None and args.extend_to < args.samples:
+        parser.error(f"--extend-to {args.extend_to} must be >= --samples {args.samples}")
     if args.extend_by < 1:
         parser.error(f"--extend-by must be >= 1, got {args.extend_by}")
     out = Path(args.out)

@@ -242,6 +242,54 @@ def test_nested_rhat_criteria():
     assert any(f.startswith("function-space nested R-hat") for f in apart.failures)
 
 
+def test_both_rhats_criteria():
+    """rhat="both": split and nested R-hat must each pass.  Chains shifted by the same pattern in
+    every superchain (chain offsets 0, .4, .8, 1.2 repeated): the superchains agree (nested R-hat
+    passes) while the chains do not (split R-hat fails), so only "both" and "split" see it."""
+    post = iid_posterior(chains=32, draws=100, superchain_size=4)
+    offset = 0.4 * (torch.arange(32) % 4).float()
+    for name, v in post.samples.items():
+        post.samples[name] = v + offset.reshape(32, 1, *[1] * (v.dim() - 2))
+    no_ess = dict(min_ess_bulk=0, min_ess_tail=0)
+    nested = certify(post, points(), CertificationCriteria(rhat="nested", **no_ess))
+    assert nested.passed and nested.rhat_nested_max <= 1.01 < nested.rhat_split_max, nested
+    assert nested.rhat_max == nested.rhat_nested_max
+    both = certify(post, points(), CertificationCriteria(rhat="both", **no_ess))
+    [failure] = both.failures
+    assert re.fullmatch(r"function-space R-hat \d+\.\d+ > 1\.01 at \d+ of 50 points", failure), failure
+    assert both.rhat_method == "both" and both.criteria.superchain_size == 4
+    assert (both.rhat_split_max, both.rhat_nested_max) == (nested.rhat_split_max, nested.rhat_nested_max)
+    assert both.rhat_max == max(both.rhat_split_max, both.rhat_nested_max)
+    # mixed chains: both pass, and the summary names both values
+    ok = certify(iid_posterior(chains=32, draws=100, superchain_size=4), points(), CertificationCriteria(rhat="both"))
+    assert ok.passed, ok.failures
+    assert (f"function-space R-hat {ok.rhat_split_max:.3f} and nested (superchains of 4) R-hat "
+            f"{ok.rhat_nested_max:.3f} ≤ 1.01") in ok.summary()
+    # superchains apart: both R-hats fail, each named
+    apart = certify(iid_posterior(chains=32, draws=100, shift=0.2, superchain_size=4), points(),
+                    CertificationCriteria(rhat="both"))
+    assert [re.sub(r" \d+\.\d+ > .*", "", f) for f in apart.failures if "R-hat" in f] == [
+        "function-space R-hat", "function-space nested R-hat"]
+    # independently started chains: the nested half fails by name, the split value is still recorded
+    independent = certify(iid_posterior(chains=32, draws=100), points(),
+                          CertificationCriteria(rhat="both", superchain_size=4))
+    assert any("needs chains started in superchains" in f for f in independent.failures)
+    assert math.isfinite(independent.rhat_split_max)
+
+
+def test_a_certification_recorded_before_the_separate_rhats_reads_back():
+    """Records written before rhat_split_max / rhat_nested_max existed: the one R-hat they hold
+    is the criterion's, the other is None (not checked)."""
+    for method in ("split", "nested"):
+        record = certify(iid_posterior(chains=8, draws=100, superchain_size=4), points(),
+                         CertificationCriteria(rhat=method)).to_dict()
+        old = {k: v for k, v in record.items() if k not in ("rhat_split_max", "rhat_nested_max")}
+        back = Certification.from_dict(old)
+        assert getattr(back, f"rhat_{method}_max") == record["rhat_max"]
+        assert getattr(back, f"rhat_{'nested' if method == 'split' else 'split'}_max") is None
+        assert back.passed == record["passed"] and back.rhat_max == record["rhat_max"]
+
+
 def test_nested_rhat_of_chains_that_never_moved_is_one_plus_one_over_m():
     """Why certify refuses nested R-hat over independently started chains: chains that stay at
     their (independent) starting points give R_nu^2 - 1 = var(superchain means) / var(chain means),
@@ -295,7 +343,10 @@ def test_certify_checks_its_arguments():
 
 def test_certification_round_trips_through_json():
     cert = certify(iid_posterior(shift=0.5), points())
+    assert cert.rhat_nested_max is None and cert.rhat_split_max == cert.rhat_max  # split only: nested not checked
     assert Certification.from_dict(json.loads(json.dumps(cert.to_dict()))) == cert
+    both = certify(iid_posterior(chains=32, draws=100, superchain_size=4), points(), CertificationCriteria(rhat="both"))
+    assert Certification.from_dict(json.loads(json.dumps(both.to_dict()))) == both  # every field finite
     # strict JSON (the suite's records) stores nan as null; it reads back as nan
     short = certify(iid_posterior(draws=3), points())
     back = Certification.from_dict(json.loads(json.dumps(jsonable(short.to_dict()), allow_nan=False)))

@@ -16,7 +16,7 @@ from conftest import DEVICES, needs_cxx
 import pyrobdl
 import pyrobdl.inference.chees as chees
 from pyrobdl.datasets import bayesian_linear_regression
-from pyrobdl.diagnostics import certify
+from pyrobdl.diagnostics import CertificationCriteria, certify
 from pyrobdl.diagnostics.arviz_adapter import convergence
 from pyrobdl.flat import FlatLogJoint
 from pyrobdl.inference import MCMCPosterior, SamplerTrace
@@ -442,6 +442,31 @@ def test_sampling_until_certified_equals_a_run_of_that_length(blr):
         np.testing.assert_array_equal(getattr(post.trace, field), getattr(direct.trace, field), err_msg=field)
     assert post.cost.gradient_evaluations == direct.cost.gradient_evaluations
     assert direct.certification.to_dict() == cert.to_dict()
+
+
+def test_certify_rhat_both_samples_until_split_and_nested_rhat_pass(blr):
+    """certify_rhat="both": the chains (started in superchains) are extended until split R-hat
+    passes too, not only the nested R-hat that certifies them by default ("auto")."""
+    kw = dict(method="chees", num_chains=32, superchain_size=4, num_warmup=300, seed=0, progress=False,
+              certify_inputs=blr.x_test, num_samples=10, max_num_samples=400, extend_by=10)
+    nested = pyrobdl.fit(blr_model(), blr.x_train, blr.y_train, **kw)
+    both = pyrobdl.fit(blr_model(), blr.x_train, blr.y_train, certify_rhat="both", **kw)
+    assert nested.certification.rhat_method == "nested" and both.certification.rhat_method == "both"
+    n_nested = nested.diagnostics["extensions"][-1]["num_samples"]
+    ext = both.diagnostics["extensions"]
+    assert n_nested < ext[-1]["num_samples"] < 400  # measured: 20 and 110 draws per chain
+    # certified by nested R-hat while split R-hat still failed; "both" went on until it passed
+    assert nested.certification.rhat_nested_max <= 1.01 < nested.certification.rhat_split_max
+    assert both.certification.passed and max(both.certification.rhat_split_max,
+                                             both.certification.rhat_nested_max) <= 1.01
+    last_failed = ext[-2]
+    assert not last_failed["certified"] and last_failed["rhat_split_max"] > 1.01
+    assert [f.split(" ")[1] for f in last_failed["failures"] if "R-hat" in f] == ["R-hat"]  # split, not nested
+    assert certify(both, blr.x_test, CertificationCriteria(rhat="both")).to_dict() == both.certification.to_dict()
+    with pytest.raises(ValueError, match=r"unknown certify_rhat 'bulk'; valid: \['auto', 'split', 'nested', 'both'\]"):
+        pyrobdl.fit(blr_model(), blr.x_train, blr.y_train, certify_rhat="bulk", **kw)
+    with pytest.raises(ValueError, match=r"certify_rhat='both' needs chains started in superchains"):
+        pyrobdl.fit(blr_model(), blr.x_train, blr.y_train, certify_rhat="both", **{**kw, "superchain_size": 1})
 
 
 @pytest.mark.parametrize("device", DEVICES)

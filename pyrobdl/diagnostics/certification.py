@@ -21,7 +21,7 @@ only that the chains agree about the predictions at these inputs.
 Two R-hats are available: ``"split"``, the rank-normalised split R-hat of Vehtari et al. (2021)
 computed by ArviZ (for a few long chains), and ``"nested"``, the nested R-hat of Margossian et al.
 (2024) for many short chains grouped in superchains (:func:`nested_rhat`, implemented here in
-numpy since ArviZ has none).  Every ArviZ call goes through
+numpy since ArviZ has none); ``"both"`` requires each.  Every ArviZ call goes through
 :mod:`pyrobdl.diagnostics.arviz_adapter`.
 
 References
@@ -68,7 +68,7 @@ __all__ = [
 ]
 
 #: R-hat variants :class:`CertificationCriteria` accepts.
-RHAT_METHODS = ("split", "nested")
+RHAT_METHODS = ("split", "nested", "both")
 #: Fewest draws per chain with which R-hat and ESS are defined (ArviZ's minimum as well).
 MIN_DRAWS = 4
 #: At most this many chain indices are listed in an E-BFMI failure sentence.
@@ -107,11 +107,13 @@ class CertificationCriteria:
         Divergent transitions allowed after warm-up, all chains together.
     min_ebfmi : float, default 0.2
         Smallest E-BFMI allowed in *every* chain (:func:`ebfmi`).
-    rhat : {"split", "nested"}, default "split"
+    rhat : {"split", "nested", "both"}, default "split"
         ``"split"``: rank-normalised split R-hat (Vehtari et al. 2021), what ``az.rhat``
         computes; ``"nested"``: nested R-hat (Margossian et al. 2024, :func:`nested_rhat`) for
         many short chains, chains ``c*superchain_size .. (c+1)*superchain_size - 1`` forming
-        superchain ``c``.  Nested R-hat is a valid check only for chains *started* in
+        superchain ``c``; ``"both"``: each of the two must be at most ``max_rhat`` (the strictest
+        reading for many chains started in superchains: nested R-hat asks whether the
+        superchains agree, split R-hat whether every chain does).  Nested R-hat is a valid check only for chains *started* in
         superchains (each superchain's chains from one common point, e.g. ``fit(...,
         method="chees", superchain_size=M)``): the within-superchain spread then measures what the
         chains forgot of their start.  Over independently started chains the superchain means
@@ -122,7 +124,7 @@ class CertificationCriteria:
         ``certify`` therefore fails the nested criterion for chains whose trace records another
         start (:attr:`~pyrobdl.inference.mcmc.SamplerTrace.superchain_size`).
     superchain_size : int or None, default None
-        Chains per superchain (``rhat="nested"`` only); None: the superchains the chains were
+        Chains per superchain (``rhat="nested"`` or ``"both"`` only); None: the superchains the chains were
         started in (the trace's ``superchain_size``).
 
     Raises
@@ -176,11 +178,12 @@ class Certification:
         One sentence per failed criterion, e.g. ``"function-space R-hat 1.04 > 1.01 at 12 of 50
         points"``, ``"7 divergences after warm-up"``, ``"energy not recorded: E-BFMI cannot be
         checked"``.
-    rhat_method : {"split", "nested"}
-        The R-hat that was computed.
+    rhat_method : {"split", "nested", "both"}
+        The R-hat the criterion checked (``criteria.rhat``).
     rhat_max : float
-        Largest function-space R-hat over points and outputs (nan when it could not be computed
-        or is not finite somewhere).
+        Largest function-space R-hat the criterion checked, over points and outputs (with
+        ``"both"`` the larger of the two R-hats; nan when none could be computed or one is not
+        finite somewhere).
     ess_bulk_min, ess_tail_min : float
         Smallest bulk / tail ESS over points and outputs (nan when not computed).
     divergences : int or None
@@ -193,6 +196,10 @@ class Certification:
         Chains, and draws per chain.
     criteria : CertificationCriteria
         What was required.
+    rhat_split_max, rhat_nested_max : float or None
+        The largest split and nested R-hat separately: split R-hat is recorded whatever the
+        criterion (it costs nothing more), nested R-hat when the criterion checks it (None
+        otherwise); nan when one could not be computed.
     """
 
     passed: bool
@@ -207,6 +214,8 @@ class Certification:
     num_chains: int
     num_draws: int
     criteria: CertificationCriteria = field(default_factory=CertificationCriteria)
+    rhat_split_max: float | None = None
+    rhat_nested_max: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "failures", tuple(str(f) for f in self.failures))
@@ -223,9 +232,14 @@ class Certification:
         """One line: ``"certified (...)"`` or ``"not certified: failure; failure"``."""
         if not self.passed:
             return "not certified: " + "; ".join(self.failures)
-        nested = (f"nested (superchains of {self.criteria.superchain_size}) "
-                  if self.rhat_method == "nested" else "")
-        parts = [f"function-space {nested}R-hat {_fmt(self.rhat_max, 3)} ≤ {self.criteria.max_rhat:g}",
+        nested = f"nested (superchains of {self.criteria.superchain_size}) R-hat"
+        if self.rhat_method == "both":
+            rhat = (f"function-space R-hat {_fmt(self.rhat_split_max, 3)} and {nested} "
+                    f"{_fmt(self.rhat_nested_max, 3)} ≤ {self.criteria.max_rhat:g}")
+        else:
+            label = nested if self.rhat_method == "nested" else "R-hat"
+            rhat = f"function-space {label} {_fmt(self.rhat_max, 3)} ≤ {self.criteria.max_rhat:g}"
+        parts = [rhat,
                  f"bulk ESS {_fmt(self.ess_bulk_min, 0)}", f"tail ESS {_fmt(self.ess_tail_min, 0)}",
                  f"{self.divergences} divergences", f"E-BFMI {_fmt(self.ebfmi_min, 2)}"]
         return (f"certified ({', '.join(parts)}; {self.num_chains} chains x {self.num_draws} draws "
@@ -252,12 +266,17 @@ class Certification:
             If a field is missing or unknown.
         """
         names = {f.name for f in dataclasses.fields(cls)}
-        missing, unknown = sorted(names - set(data) - {"criteria"}), sorted(set(data) - names)
+        optional = {"criteria", "rhat_split_max", "rhat_nested_max"}  # older records lack the last two
+        missing, unknown = sorted(names - set(data) - optional), sorted(set(data) - names)
         if missing or unknown:
             raise ValueError(f"not a certification record: missing {missing}, unknown {unknown}")
         d = dict(data)
         for key in ("rhat_max", "ess_bulk_min", "ess_tail_min"):
             d[key] = float("nan") if d[key] is None else float(d[key])
+        for key in ("split", "nested"):  # an old record has only the criterion's own R-hat
+            name = f"rhat_{key}_max"
+            value = d.get(name, d["rhat_max"] if d["rhat_method"] == key else None)
+            d[name] = None if value is None else float(value)
         if d["ebfmi_min"] is not None:
             d["ebfmi_min"] = float(d["ebfmi_min"])
         if d["divergences"] is not None:
@@ -519,34 +538,37 @@ def certify(posterior: Any, x: Any, criteria: CertificationCriteria | None = Non
     c, d, n = f.shape[:3]
     nan = float("nan")
     failures: list[str] = []
-    rhat_max = ess_bulk_min = ess_tail_min = nan
-    label = "function-space nested R-hat" if criteria.rhat == "nested" else "function-space R-hat"
+    rhat_max = ess_bulk_min = ess_tail_min = split_max = nan
+    nested_max: float | None = nan if criteria.rhat in ("nested", "both") else None
     if d < MIN_DRAWS:
         failures.append(f"{d} draw(s) per chain: at least {MIN_DRAWS} are needed to compute R-hat and ESS")
     else:
         conv = convergence(f)
-        rhat: np.ndarray | None
-        if criteria.rhat == "nested":
+        if c == 1:
+            half = d // 2
+            split = convergence(np.stack([f[0, :half], f[0, d - half:]]))["rhat"]
+        else:
+            split = conv["rhat"]
+        split_max = float(np.max(split))
+        checked: list[float] = []
+        if criteria.rhat in ("split", "both"):
+            checked.append(split_max)
+            failures += _check_rhat(split, criteria.max_rhat, "function-space R-hat", n)
+        if criteria.rhat in ("nested", "both"):
             size, start_failure = _superchains(posterior, criteria)
             if start_failure:
                 failures.append(start_failure)
             if size is not None:  # the record says which superchains were used
                 criteria = dataclasses.replace(criteria, superchain_size=size)
-            if size is None:
-                rhat = None
-            elif c % size or c // size < 2:
-                rhat = None
+            if size is not None and (c % size or c // size < 2):
                 failures.append(f"nested R-hat needs at least 2 superchains of {size} chains, got {c} chain(s)")
-            else:
-                rhat = nested_rhat(f, size)
-        elif c == 1:
-            half = d // 2
-            rhat = convergence(np.stack([f[0, :half], f[0, d - half:]]))["rhat"]
-        else:
-            rhat = conv["rhat"]
-        if rhat is not None:
-            rhat_max = float(np.max(rhat))
-            failures += _check_rhat(rhat, criteria.max_rhat, label, n)
+            elif size is not None:
+                nested = nested_rhat(f, size)
+                nested_max = float(np.max(nested))
+                failures += _check_rhat(nested, criteria.max_rhat, "function-space nested R-hat", n)
+            checked.append(nan if nested_max is None else nested_max)
+        # the largest R-hat the criterion checked (nan when one of them could not be computed)
+        rhat_max = float(np.max(checked))
         ess_bulk_min, ess_tail_min = float(np.min(conv["ess_bulk"])), float(np.min(conv["ess_tail"]))
         failures += _check_ess(conv["ess_bulk"], criteria.min_ess_bulk, "bulk ESS", n)
         failures += _check_ess(conv["ess_tail"], criteria.min_ess_tail, "tail ESS", n)
@@ -579,7 +601,8 @@ def certify(posterior: Any, x: Any, criteria: CertificationCriteria | None = Non
     return Certification(
         passed=not failures, failures=tuple(failures), rhat_method=criteria.rhat, rhat_max=rhat_max,
         ess_bulk_min=ess_bulk_min, ess_tail_min=ess_tail_min, divergences=divergences, ebfmi_min=ebfmi_min,
-        num_points=n, num_chains=c, num_draws=d, criteria=criteria,
+        num_points=n, num_chains=c, num_draws=d, criteria=criteria, rhat_split_max=split_max,
+        rhat_nested_max=nested_max,
     )
 
 

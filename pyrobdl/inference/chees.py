@@ -58,7 +58,7 @@ from .mcmc import MCMCPosterior, SamplerTrace
 from .registry import Method, register_method, require_proper_prior
 from .svi import _peak_memory
 
-__all__ = ["CHEES_OPTIONS", "INIT_STRATEGIES", "JITTERS", "MASS_MATRICES", "WindowVariance", "halton", "run_chees"]
+__all__ = ["CERTIFY_RHATS", "CHEES_OPTIONS", "INIT_STRATEGIES", "JITTERS", "MASS_MATRICES", "WindowVariance", "halton", "run_chees"]
 
 #: Starting points of the chains.
 INIT_STRATEGIES = ("prior", "map", "ensemble")
@@ -66,6 +66,8 @@ INIT_STRATEGIES = ("prior", "map", "ensemble")
 JITTERS = ("halton", "uniform", "none")
 #: How the diagonal mass matrix is estimated from a warm-up window (:class:`WindowVariance`).
 MASS_MATRICES = ("cross-chain", "within-chain", "per-chain")
+#: Which R-hat certifies the chains ("auto": nested over superchain starts, else split).
+CERTIFY_RHATS = ("auto", "split", "nested", "both")
 
 CHEES_OPTIONS: dict[str, Any] = {
     "num_chains": 64,
@@ -90,6 +92,7 @@ CHEES_OPTIONS: dict[str, Any] = {
     "certify_inputs": None,
     "max_num_samples": None,
     "extend_by": 100,
+    "certify_rhat": "auto",
     "temperatures": None,
     "adapt_temperatures": False,
     "checkpoint": None,
@@ -101,7 +104,7 @@ CHEES_OPTIONS: dict[str, Any] = {
 #: reconciles itself (``num_samples`` may grow: the run is extended; so may the extension's
 #: bounds), so a checkpoint's identity leaves them out.
 _NOT_IDENTITY = ("checkpoint", "checkpoint_every_s", "compile", "chunk_size", "threads", "device", "num_samples",
-                 "diagnostic_points", "certify_inputs", "max_num_samples", "extend_by")
+                 "diagnostic_points", "certify_inputs", "max_num_samples", "extend_by", "certify_rhat")
 
 # Dual averaging constants of Hoffman & Gelman (2014), as Stan, NumPyro and Pyro use them.
 _DA_GAMMA, _DA_T0, _DA_KAPPA = 0.05, 10.0, 0.75
@@ -162,6 +165,12 @@ def _check_options(model: Any, options: Mapping[str, Any]) -> None:
                              "or None: no extension")
     if options["certify_inputs"] is not None:
         check_inputs(model, options["certify_inputs"], "certify_inputs")
+    if options["certify_rhat"] not in CERTIFY_RHATS:
+        raise ValueError(f"unknown certify_rhat {options['certify_rhat']!r}; valid: {list(CERTIFY_RHATS)}")
+    if options["certify_rhat"] in ("nested", "both") and m == 1:
+        raise ValueError(
+            f"certify_rhat={options['certify_rhat']!r} needs chains started in superchains (superchain_size > 1): "
+            "nested R-hat over independently started chains cannot see chains that never left their start")
     for name in ("init_trajectory_length", "trajectory_lr", "map_lr", "divergence_threshold"):
         _positive(options, name)
     _positive(options, "step_size", allow_none=True)
@@ -1033,7 +1042,7 @@ def _run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[st
         if replica_rows is not None:
             # [kept chains, iterations]: the replica (0 .. K-1, its starting row) in each beta = 1 slot
             posterior.adaptation["replica"] = replica_rows.t().cpu().numpy()
-        _certify(posterior, points)
+        _certify(posterior, points, options["certify_rhat"])
         return posterior
 
 
@@ -1125,7 +1134,8 @@ def _run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[st
         if max_draws is None:
             break
         cert = posterior.certification
-        extensions.append({"num_samples": draws, "certified": bool(cert.passed), "failures": list(cert.failures)})
+        extensions.append({"num_samples": draws, "certified": bool(cert.passed), "failures": list(cert.failures),
+                           "rhat_split_max": cert.rhat_split_max, "rhat_nested_max": cert.rhat_nested_max})
         if cert.passed or draws >= max_draws:
             break
         # not certified yet: more draws per chain, every chain going on where it stands, so that
@@ -1174,11 +1184,13 @@ def _window_start(num_warmup: int) -> int:
     return 75
 
 
-def _certify(posterior: MCMCPosterior, x_points: torch.Tensor) -> None:
-    """Attach the certification: nested R-hat over the superchains the trace records, when the
-    chains were started in superchains, else split R-hat."""
-    nested = posterior.trace.superchain_size > 1
-    attach_certification(posterior, x_points, CertificationCriteria(rhat="nested") if nested else None)
+def _certify(posterior: MCMCPosterior, x_points: torch.Tensor, rhat: str) -> None:
+    """Attach the certification with the ``certify_rhat`` option's R-hat; ``"auto"``: nested R-hat
+    over the superchains the trace records when the chains were started in superchains, else
+    split R-hat."""
+    if rhat == "auto":
+        rhat = "nested" if posterior.trace.superchain_size > 1 else "split"
+    attach_certification(posterior, x_points, CertificationCriteria(rhat=rhat))
 
 
 register_method(Method(
