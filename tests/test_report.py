@@ -170,14 +170,14 @@ def test_published_numbers_match_references_md():
 FAILURE = "function-space R-hat 1.39 > 1.01 at 48 of 50 points"
 
 
-def certification(passed: bool) -> dict:
+def certification(passed: bool, rhat: str = "split") -> dict:
     """A certification record as ``Certification.to_dict()`` writes it (NaN stored as null)."""
     return {"passed": passed, "failures": [] if passed else [FAILURE, "bulk ESS 7 < 400 at 50 of 50 points"],
-            "rhat_method": "split", "rhat_max": 1.003 if passed else 1.39, "ess_bulk_min": 812.0 if passed else 7.0,
+            "rhat_method": rhat, "rhat_max": 1.003 if passed else 1.39, "ess_bulk_min": 812.0 if passed else 7.0,
             "ess_tail_min": 640.0 if passed else 9.0, "divergences": 0, "ebfmi_min": 0.9, "num_points": 50,
             "num_chains": 4, "num_draws": 500,
             "criteria": {"max_rhat": 1.01, "min_ess_bulk": 400.0, "min_ess_tail": 400.0, "max_divergences": 0,
-                         "min_ebfmi": 0.2, "rhat": "split", "superchain_size": 4}}
+                         "min_ebfmi": 0.2, "rhat": rhat, "superchain_size": 4}}
 
 
 def with_reference(tmp_path: Path, passed: bool | None, *, runner_flag: bool = True) -> Path:
@@ -340,7 +340,7 @@ def verdict_results(tmp_path: Path, *, label_b: str = "cheap", warning: str | No
     return store(tmp_path / "res", items)
 
 
-def extended_references(tmp_path: Path, splits: dict) -> list:
+def extended_references(tmp_path: Path, splits: dict, rhat: str = "nested") -> list:
     """chees references sampled until certified (``diagnostics["extensions"]``), one per split,
     and a method evaluated against each: ``splits`` maps split -> [(draws, certified), ...]."""
     from pyrobdl.compare import list_results
@@ -349,7 +349,7 @@ def extended_references(tmp_path: Path, splits: dict) -> list:
     for split, rounds in splits.items():
         ext = [{"num_samples": n, "certified": ok, "failures": [] if ok else [FAILURE]} for n, ok in rounds]
         ref_id, ref, arrays = record("toy", "chees", split, metrics={"test_ll": 0.6}, diagnostics={"extensions": ext})
-        ref.update(is_reference=True, certification=certification(rounds[-1][1]))
+        ref.update(is_reference=True, certification=certification(rounds[-1][1], rhat))
         cid, rec, arrays_b = record("toy", "map", split, metrics={"test_ll": 0.5}, reference_used=True)
         rec["reference"].update(cell=ref_id, certified=rounds[-1][1])
         items += [(ref_id, ref, arrays), (cid, rec, arrays_b)]
@@ -372,6 +372,25 @@ def test_the_verdict_says_how_many_draws_the_reference_needed(tmp_path):
                          "(not certified: max_num_samples).")
     # references of a fixed length say nothing of it
     assert "Sampled" not in verdict(list_results(verdict_results(tmp_path / "d")))[0]
+
+
+def test_the_report_says_which_rhat_certified_the_reference(tmp_path):
+    """Split, nested (with its superchains) or both: the verdict and the agreement section name it."""
+    from pyrobdl.report.tables import reference_status
+    from pyrobdl.report.verdicts import verdict
+
+    for i, (rhat, words) in enumerate([("nested", "function-space nested R-hat (superchains of 4)"),
+                                       ("both", "function-space split and nested R-hat (superchains of 4)"),
+                                       ("split", "function-space R-hat")]):
+        records = extended_references(tmp_path / str(i), {0: [(300, True)]}, rhat)
+        assert verdict(records)[0].startswith(f"Reference posterior: chees, certified ({words}, ESS, ")
+        assert reference_status(records)[0].startswith(f"The reference (chees) is certified: {words}, bulk")
+    # splits certified differently are both named
+    mixed = extended_references(tmp_path / "m", {0: [(300, True)]}, "both") + [
+        r for r in extended_references(tmp_path / "n", {1: [(300, True)]}, "nested")]
+    assert verdict(mixed)[0].startswith(
+        "Reference posterior: chees, certified (function-space split and nested R-hat (superchains of 4) or "
+        "nested R-hat (superchains of 4), ESS, ")
 
 
 def test_each_dataset_opens_with_a_verdict(tmp_path):

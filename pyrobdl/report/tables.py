@@ -212,6 +212,24 @@ def _failures(record: Mapping[str, Any]) -> list[str]:
     return [str(f) for f in cert.get("failures") or []] or ([] if cert.get("passed") else ["failed"])
 
 
+def reference_rhat(records: Sequence[Mapping[str, Any]]) -> str:
+    """Which R-hat certified the reference cells, in words: ``"function-space R-hat"`` (split),
+    ``"function-space nested R-hat (superchains of 8)"`` or ``"function-space split and nested
+    R-hat (superchains of 8)"``; several, joined by "or", when the cells differ."""
+    kinds = []
+    for r in _reference_cells(records):
+        cert = r.get("certification")
+        if not isinstance(cert, Mapping):
+            continue
+        method = cert.get("rhat_method", "split")
+        size = (cert.get("criteria") or {}).get("superchain_size")
+        of = f" (superchains of {size})" if size else ""
+        words = {"nested": f"nested R-hat{of}", "both": f"split and nested R-hat{of}"}.get(method, "R-hat")
+        if words not in kinds:
+            kinds.append(words)
+    return "function-space " + (" or ".join(kinds) if kinds else "R-hat")
+
+
 def reference_status(records: Sequence[Mapping[str, Any]]) -> tuple[str, bool]:
     """A sentence on whether the reference posterior is certified, and whether every cell's is.
 
@@ -226,8 +244,8 @@ def reference_status(records: Sequence[Mapping[str, Any]]) -> tuple[str, bool]:
     methods = reference_methods(records)
     name = f"The reference ({', '.join(methods)})" if methods else "The reference"
     if all(flags):
-        return (f"{name} is certified: function-space R-hat, bulk and tail ESS, divergences and E-BFMI meet "
-                "the reference-posterior criteria (docs/diagnostics.md, Certification)."), True
+        return (f"{name} is certified: {reference_rhat(records)}, bulk and tail ESS, divergences and E-BFMI "
+                "meet the reference-posterior criteria (docs/diagnostics.md, Certification)."), True
     refs = _reference_cells(records)
     bad = [r for r in refs if not isinstance(r.get("certification"), Mapping)
            or not r["certification"].get("passed")]

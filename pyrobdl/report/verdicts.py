@@ -31,6 +31,7 @@ from .tables import (
     reference_extensions,
     reference_methods,
     reference_metric_keys,
+    reference_rhat,
     reference_status,
 )
 
@@ -154,7 +155,7 @@ def verdict(records: Sequence[Mapping[str, Any]]) -> tuple[str, ...]:
     status, certified = reference_status(records)
     if refs:
         if certified:
-            lines.append(f"Reference posterior: {', '.join(refs)}, certified (function-space R-hat, ESS, "
+            lines.append(f"Reference posterior: {', '.join(refs)}, certified ({reference_rhat(records)}, ESS, "
                          "divergences and E-BFMI meet the reference criteria).")
         else:
             why = status.split("is NOT certified: ", 1)[-1].split("; agreement numbers below", 1)[0]
