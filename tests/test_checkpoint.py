@@ -304,3 +304,39 @@ def test_a_real_sigkill_at_any_moment_resumes_to_the_same_draws(tmp_path):
     [at] = resumed.diagnostics["resumed_at"]
     assert 0 < at < 300
     assert_same_run(quiet_fit(small_mlp(), x, y, **kw), resumed)
+
+
+# ------------------------------------------------------- the UCI reference script (docs/results.md)
+def _reference_script(data_dir, tmp_path, *extra: str, out: str = "refs.jsonl"):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "comparisons" / "uci_references.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--data-dir", str(data_dir), "--datasets", "yacht", "--splits", "0",
+         "--chains", "4", "--superchain", "2", "--warmup", "10", "--samples", "5", "--out", str(tmp_path / out),
+         *extra], capture_output=True, text=True, timeout=300)
+    rows = [json.loads(line) for line in (tmp_path / out).read_text().splitlines()] if done.returncode == 0 else []
+    return done, rows
+
+
+def test_the_reference_script_samples_until_certified_through_chees(data_dir, tmp_path):
+    """comparisons/uci_references.py --extend-to is chees's own max_num_samples (certify_rhat from
+    --extend-until, at the held-back inputs): a tiny yacht run is never certified, so every round
+    is recorded, and the same command with a checkpoint resumes the finished run to the same row."""
+    args = ("--superchain-starts", "--extend-to", "13", "--extend-by", "4", "--checkpoint-dir", str(tmp_path / "ck"))
+    done, [row] = _reference_script(data_dir, tmp_path, *args)
+    assert done.returncode == 0, done.stderr[-2000:]
+    ext = row["extensions"]
+    assert [e["num_samples"] for e in ext] == [5, 9, 13] and not any(e["certified"] for e in ext)
+    assert row["settings"]["num_samples"] == 13 and not row["certified_split"]
+    # "both" (the default --extend-until): each round records both R-hats, and its failures name them
+    assert all(e["rhat_split_max"] > 1.01 and e["rhat_nested_max"] > 1.01 for e in ext), ext
+    again, [row2] = _reference_script(data_dir, tmp_path, *args, out="again.jsonl")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert row2["resumed_at"] == [23] and row2["rmse"] == row["rmse"] and row2["extensions"] == ext
+    # nested R-hat needs superchain starts: refused before any work
+    refused, _ = _reference_script(data_dir, tmp_path, "--extend-to", "13", out="refused.jsonl")
+    assert refused.returncode == 2 and "--extend-until both certifies with nested R-hat" in refused.stderr
