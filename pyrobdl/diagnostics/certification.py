@@ -111,9 +111,10 @@ class CertificationCriteria:
         ``"split"``: rank-normalised split R-hat (Vehtari et al. 2021), what ``az.rhat``
         computes; ``"nested"``: nested R-hat (Margossian et al. 2024, :func:`nested_rhat`) for
         many short chains, chains ``c*superchain_size .. (c+1)*superchain_size - 1`` forming
-        superchain ``c``; ``"both"``: each of the two must be at most ``max_rhat`` (the strictest
-        reading for many chains started in superchains: nested R-hat asks whether the
-        superchains agree, split R-hat whether every chain does).  Nested R-hat is a valid check only for chains *started* in
+        superchain ``c``; ``"both"``: each of the two must be at most ``max_rhat`` (the
+        strictest reading for many chains started in superchains: nested R-hat asks whether the
+        superchains agree, split R-hat whether every chain does).  Nested R-hat is a valid
+        check only for chains *started* in
         superchains (each superchain's chains from one common point, e.g. ``fit(...,
         method="chees", superchain_size=M)``): the within-superchain spread then measures what the
         chains forgot of their start.  Over independently started chains the superchain means
@@ -124,8 +125,8 @@ class CertificationCriteria:
         ``certify`` therefore fails the nested criterion for chains whose trace records another
         start (:attr:`~pyrobdl.inference.mcmc.SamplerTrace.superchain_size`).
     superchain_size : int or None, default None
-        Chains per superchain (``rhat="nested"`` or ``"both"`` only); None: the superchains the chains were
-        started in (the trace's ``superchain_size``).
+        Chains per superchain (``rhat="nested"`` or ``"both"`` only); None: the superchains
+        the chains were started in (the trace's ``superchain_size``).
 
     Raises
     ------

@@ -58,7 +58,8 @@ from .mcmc import MCMCPosterior, SamplerTrace
 from .registry import Method, register_method, require_proper_prior
 from .svi import _peak_memory
 
-__all__ = ["CERTIFY_RHATS", "CHEES_OPTIONS", "INIT_STRATEGIES", "JITTERS", "MASS_MATRICES", "WindowVariance", "halton", "run_chees"]
+__all__ = ["CERTIFY_RHATS", "CHEES_OPTIONS", "INIT_STRATEGIES", "JITTERS", "MASS_MATRICES", "WindowVariance", "halton",
+           "run_chees"]
 
 #: Starting points of the chains.
 INIT_STRATEGIES = ("prior", "map", "ensemble")
