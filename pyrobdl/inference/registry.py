@@ -315,8 +315,11 @@ def fit(
     _warn_if_diverged(method, posterior)
     certification = getattr(posterior, "certification", None)
     if certification is not None and not certification.passed:
+        # where it was certified, when the caller chose (e.g. held-back inputs, as the suite does)
+        given = isinstance((getattr(posterior, "settings", None) or {}).get("certify_inputs"), Mapping)
+        where = f" (at the {certification.num_points} certify_inputs)" if given else ""
         warnings.warn(
-            f"the {method} posterior is not certified as a reference: {'; '.join(certification.failures)}. "
+            f"the {method} posterior is not certified as a reference: {'; '.join(certification.failures)}{where}. "
             "Agreement with it means nothing; run longer chains (docs/diagnostics.md, Certification).",
             UserWarning, stacklevel=2,
         )
