@@ -63,6 +63,7 @@ __all__ = [
     "attach_certification",
     "certification_points",
     "certify",
+    "check_certify_inputs",
     "ebfmi",
     "nested_rhat",
 ]
@@ -540,7 +541,7 @@ def certify(posterior: Any, x: Any, criteria: CertificationCriteria | None = Non
     nan = float("nan")
     failures: list[str] = []
     rhat_max = ess_bulk_min = ess_tail_min = split_max = nan
-    nested_max: float | None = nan if criteria.rhat in ("nested", "both") else None
+    nested_max: Any = nan if criteria.rhat in ("nested", "both") else None  # None: not checked
     if d < MIN_DRAWS:
         failures.append(f"{d} draw(s) per chain: at least {MIN_DRAWS} are needed to compute R-hat and ESS")
     else:
@@ -567,7 +568,7 @@ def certify(posterior: Any, x: Any, criteria: CertificationCriteria | None = Non
                 nested = nested_rhat(f, size)
                 nested_max = float(np.max(nested))
                 failures += _check_rhat(nested, criteria.max_rhat, "function-space nested R-hat", n)
-            checked.append(nan if nested_max is None else nested_max)
+            checked.append(nested_max)
         # the largest R-hat the criterion checked (nan when one of them could not be computed)
         rhat_max = float(np.max(checked))
         ess_bulk_min, ess_tail_min = float(np.min(conv["ess_bulk"])), float(np.min(conv["ess_tail"]))
@@ -605,6 +606,19 @@ def certify(posterior: Any, x: Any, criteria: CertificationCriteria | None = Non
         num_points=n, num_chains=c, num_draws=d, criteria=criteria, rhat_split_max=split_max,
         rhat_nested_max=nested_max,
     )
+
+
+def check_certify_inputs(model: Any, options: Mapping[str, Any]) -> None:
+    """Refuse a chain method's ``certify_inputs`` option before any work when it is not None and
+    not inputs ``[n, in_features]`` of ``model`` (the error names the option).
+
+    Raises
+    ------
+    ValueError, TypeError
+        From :func:`pyrobdl._validation.check_inputs`.
+    """
+    if options.get("certify_inputs") is not None:
+        check_inputs(model, options["certify_inputs"], "certify_inputs")
 
 
 def certification_points(model: Any, x: torch.Tensor, options: Mapping[str, Any]) -> tuple[torch.Tensor, Any]:

@@ -49,8 +49,13 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from ..diagnostics.certification import CertificationCriteria, attach_certification, certification_points, ebfmi
-from .._validation import check_inputs
+from ..diagnostics.certification import (
+    CertificationCriteria,
+    attach_certification,
+    certification_points,
+    check_certify_inputs,
+    ebfmi,
+)
 from ..flat import FlatLogJoint
 from ..posterior import Cost, Posterior
 from .checkpoint import CheckpointError, SamplerCheckpoint, run_identity
@@ -164,8 +169,7 @@ def _check_options(model: Any, options: Mapping[str, Any]) -> None:
             raise ValueError(f"max_num_samples={options['max_num_samples']} must be >= num_samples="
                              f"{options['num_samples']} (the draws per chain before the first certification), "
                              "or None: no extension")
-    if options["certify_inputs"] is not None:
-        check_inputs(model, options["certify_inputs"], "certify_inputs")
+    check_certify_inputs(model, options)
     if options["certify_rhat"] not in CERTIFY_RHATS:
         raise ValueError(f"unknown certify_rhat {options['certify_rhat']!r}; valid: {list(CERTIFY_RHATS)}")
     if options["certify_rhat"] in ("nested", "both") and m == 1:

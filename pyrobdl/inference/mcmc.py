@@ -293,10 +293,9 @@ def _check_options(options: Mapping[str, Any]) -> None:
 def _check_model(model: Any, options: Mapping[str, Any]) -> None:
     require_proper_prior(model, options)
     _check_options(options)
-    if options["certify_inputs"] is not None:
-        from .._validation import check_inputs
+    from ..diagnostics.certification import check_certify_inputs
 
-        check_inputs(model, options["certify_inputs"], "certify_inputs")
+    check_certify_inputs(model, options)
     if options["init_strategy"] == "ensemble":  # trained on the flat log joint: refuse what it cannot do
         from ..flat import _check_supported
 
