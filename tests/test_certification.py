@@ -235,7 +235,7 @@ def test_nested_rhat_criteria():
     implied = certify(post, points(), CertificationCriteria(rhat="nested"))
     assert implied.passed and implied.rhat_max == cert.rhat_max, implied.failures
     assert implied.criteria.superchain_size == 4  # the record names the superchains it used
-    assert "nested (superchains of 4) R-hat" in implied.summary()
+    assert "nested R-hat (superchains of 4)" in implied.summary()
     bad = certify(iid_posterior(chains=6, draws=100, superchain_size=4), points(), nested)
     assert "nested R-hat needs at least 2 superchains of 4 chains, got 6 chain(s)" in bad.failures
     apart = certify(iid_posterior(chains=32, draws=100, shift=0.2, superchain_size=4), points(), nested)
@@ -256,20 +256,20 @@ def test_both_rhats_criteria():
     assert nested.rhat_max == nested.rhat_nested_max
     both = certify(post, points(), CertificationCriteria(rhat="both", **no_ess))
     [failure] = both.failures
-    assert re.fullmatch(r"function-space R-hat \d+\.\d+ > 1\.01 at \d+ of 50 points", failure), failure
+    assert re.fullmatch(r"function-space split R-hat \d+\.\d+ > 1\.01 at \d+ of 50 points", failure), failure
     assert both.rhat_method == "both" and both.criteria.superchain_size == 4
     assert (both.rhat_split_max, both.rhat_nested_max) == (nested.rhat_split_max, nested.rhat_nested_max)
     assert both.rhat_max == max(both.rhat_split_max, both.rhat_nested_max)
     # mixed chains: both pass, and the summary names both values
     ok = certify(iid_posterior(chains=32, draws=100, superchain_size=4), points(), CertificationCriteria(rhat="both"))
     assert ok.passed, ok.failures
-    assert (f"function-space R-hat {ok.rhat_split_max:.3f} and nested (superchains of 4) R-hat "
+    assert (f"function-space split R-hat {ok.rhat_split_max:.3f} and nested R-hat (superchains of 4) "
             f"{ok.rhat_nested_max:.3f} ≤ 1.01") in ok.summary()
     # superchains apart: both R-hats fail, each named
     apart = certify(iid_posterior(chains=32, draws=100, shift=0.2, superchain_size=4), points(),
                     CertificationCriteria(rhat="both"))
     assert [re.sub(r" \d+\.\d+ > .*", "", f) for f in apart.failures if "R-hat" in f] == [
-        "function-space R-hat", "function-space nested R-hat"]
+        "function-space split R-hat", "function-space nested R-hat"]
     # independently started chains: the nested half fails by name, the split value is still recorded
     independent = certify(iid_posterior(chains=32, draws=100), points(),
                           CertificationCriteria(rhat="both", superchain_size=4))

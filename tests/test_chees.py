@@ -461,7 +461,7 @@ def test_certify_rhat_both_samples_until_split_and_nested_rhat_pass(blr):
                                              both.certification.rhat_nested_max) <= 1.01
     last_failed = ext[-2]
     assert not last_failed["certified"] and last_failed["rhat_split_max"] > 1.01
-    assert [f.split(" ")[1] for f in last_failed["failures"] if "R-hat" in f] == ["R-hat"]  # split, not nested
+    assert [f.split(" ")[1] for f in last_failed["failures"] if "R-hat" in f] == ["split"]  # not nested
     assert certify(both, blr.x_test, CertificationCriteria(rhat="both")).to_dict() == both.certification.to_dict()
     with pytest.raises(ValueError, match=r"unknown certify_rhat 'bulk'; valid: \['auto', 'split', 'nested', 'both'\]"):
         pyrobdl.fit(blr_model(), blr.x_train, blr.y_train, certify_rhat="bulk", **kw)

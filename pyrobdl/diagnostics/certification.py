@@ -234,9 +234,9 @@ class Certification:
         """One line: ``"certified (...)"`` or ``"not certified: failure; failure"``."""
         if not self.passed:
             return "not certified: " + "; ".join(self.failures)
-        nested = f"nested (superchains of {self.criteria.superchain_size}) R-hat"
+        nested = f"nested R-hat (superchains of {self.criteria.superchain_size})"
         if self.rhat_method == "both":
-            rhat = (f"function-space R-hat {_fmt(self.rhat_split_max, 3)} and {nested} "
+            rhat = (f"function-space split R-hat {_fmt(self.rhat_split_max, 3)} and {nested} "
                     f"{_fmt(self.rhat_nested_max, 3)} ≤ {self.criteria.max_rhat:g}")
         else:
             label = nested if self.rhat_method == "nested" else "R-hat"
@@ -555,7 +555,9 @@ def certify(posterior: Any, x: Any, criteria: CertificationCriteria | None = Non
         checked: list[float] = []
         if criteria.rhat in ("split", "both"):
             checked.append(split_max)
-            failures += _check_rhat(split, criteria.max_rhat, "function-space R-hat", n)
+            # "split" when the nested one is checked beside it, so the two failures are told apart
+            label = "function-space split R-hat" if criteria.rhat == "both" else "function-space R-hat"
+            failures += _check_rhat(split, criteria.max_rhat, label, n)
         if criteria.rhat in ("nested", "both"):
             size, start_failure = _superchains(posterior, criteria)
             if start_failure:
