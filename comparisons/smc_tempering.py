@@ -18,7 +18,8 @@ times exp(``--step-gain`` (acceptance - 0.65)) (within 0.5-1.5x), the number of 
 times ``--steps``, and every temperature makes at least ``--moves`` HMC moves and more, up to ``--max-moves``,
 until in every run the correlation across particles of ℓ = log p(y | θ) before and after the moves
 is below ``--decorrelate`` (the particles have left where resampling put them).  A run's estimate of the
-log evidence, Σ_t log mean_k w_k, is a by-product.
+log evidence, Σ_t log mean_k w_k, is a by-product, and the genealogy is followed: how many
+particles of the first population past β = b (``--lineage-betas``) have descendants at β = 1.
 
 ``--runs`` independent runs (their own prior draws and randomness) advance side by side in one
 batch, each with its own β schedule (a run that reaches β = 1 first goes on moving at β = 1:
@@ -100,6 +101,8 @@ def smc(lj: FlatLogJoint, runs: int, particles: int, args: argparse.Namespace, w
     step = torch.full((r,), args.initial_step, dtype=torch.float64)
     log_z = torch.zeros(r, dtype=torch.float64)
     record, gradients, t = [], 0, 0
+    ancestor = {b: torch.zeros(r, k, dtype=torch.long) for b in args.lineage_betas}
+    seeded = {b: torch.zeros(r, dtype=torch.bool) for b in args.lineage_betas}
     cpu, wall = time.process_time(), time.perf_counter()
     while True:
         full, _ = lj.value_and_grad(theta)
@@ -120,6 +123,12 @@ def smc(lj: FlatLogJoint, runs: int, particles: int, args: argparse.Namespace, w
         beta = torch.where(beta >= 1, beta, (beta + delta).clamp(max=1.0))
         beta = torch.where(beta > 1 - 1e-12, torch.ones_like(beta), beta)
         rows.copy_(beta.to(lj.dtype).repeat_interleave(k))
+        # genealogy: each particle's ancestor in the population of the first temperature with β ≥ b
+        # (which particle of that population it descends from), for every b of --lineage-betas
+        for b in args.lineage_betas:
+            fresh = (beta >= b) & ~seeded[b]
+            ancestor[b] = torch.where(fresh[:, None], torch.arange(k).expand(r, k), ancestor[b].gather(1, idx))
+            seeded[b] |= fresh
         sampler = _Sampler(tempered, theta, gen, threshold=1000.0)
         sampler.inv_mass = var.to(lj.dtype).repeat_interleave(k, 0)
         ll_before = ll.gather(1, idx)
@@ -150,7 +159,9 @@ def smc(lj: FlatLogJoint, runs: int, particles: int, args: argparse.Namespace, w
                                                                 "moves", "gradients")}), flush=True)
         step = step * torch.exp(args.step_gain * (acc - 0.65)).clamp(0.5, 1.5)
         t += 1
+    lineages = {f"{b:g}": [int(torch.unique(a).numel()) for a in ancestor[b]] for b in args.lineage_betas}
     return {"theta": theta.view(r, k, -1), "log_evidence": log_z.tolist(), "temperatures": t, "record": record,
+            "lineages": lineages,
             "chain_gradients": gradients, "cpu_s": time.process_time() - cpu, "wall_s": time.perf_counter() - wall}
 
 
@@ -209,6 +220,8 @@ def main() -> None:
     parser.add_argument("--decorrelate", type=float, default=0.1,
                         help="more moves (up to --max-moves) until ℓ's correlation with its value before them is below this")
     parser.add_argument("--step-gain", type=float, default=1.0)
+    parser.add_argument("--lineage-betas", type=float, nargs="*", default=[0.01, 0.1, 0.3, 0.5, 0.8],
+                        help="report how many particles of the first population with β ≥ b have descendants at the end")
     parser.add_argument("--steps", type=int, default=64, help="leapfrog steps per move (jittered 0.5-1.5x)")
     parser.add_argument("--ess", type=float, default=0.5, help="the weights' ESS per particle kept by each step")
     parser.add_argument("--initial-step", type=float, default=0.2)
@@ -255,7 +268,7 @@ def main() -> None:
         "steps": args.steps, "ess": args.ess, "dtype": str(dtype), "temperatures": res["temperatures"],
         "nested_rhat_runs_max": float(np.max(rhat)), "nested_rhat_runs_median": float(np.median(rhat)),
         "points_above_1.01": int((rhat > 1.01).sum()), "points": int(rhat.size),
-        "log_evidence": res["log_evidence"], "rmse_per_run": rmse.tolist(), "test_ll_per_run": test_ll.tolist(),
+        "log_evidence": res["log_evidence"], "lineages_surviving": res["lineages"], "rmse_per_run": rmse.tolist(), "test_ll_per_run": test_ll.tolist(),
         "rmse_all": all_rmse, "test_ll_all": all_ll,
         "final_step": last["step"], "final_accept": last["accept"], "final_ll_corr": last["ll_corr_before_after"],
         "final_unique": last["unique_after_resampling"],
