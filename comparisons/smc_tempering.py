@@ -140,7 +140,7 @@ def smc(lj: FlatLogJoint, runs: int, particles: int, args: argparse.Namespace, w
             accepts.append(prob.double().view(r, k).mean(1))
             # how far the moves have carried the particles: the correlation, across each run's
             # particles, of ℓ before the moves and now; move on once every run's is below --decorrelate
-            ll_now = (sampler.logp - lj.log_prior(sampler.theta)[0]).double().view(r, k) / beta[:, None]
+            ll_now = tempered.log_likelihood(sampler.theta, sampler.logp).double().view(r, k)
             corr = [float(np.corrcoef(a, b)[0, 1]) for a, b in zip(ll_before.numpy(), ll_now.numpy())]
             if len(accepts) >= args.moves and max(corr) < args.decorrelate:
                 break
@@ -152,7 +152,7 @@ def smc(lj: FlatLogJoint, runs: int, particles: int, args: argparse.Namespace, w
             "unique_after_resampling": [int(torch.unique(i).numel()) for i in idx],
             # how far the moves carried each particle: the correlation of ℓ before and after them
             "ll_corr_before_after": corr, "moves": len(accepts),
-            "ll_mean": ll.mean(1).tolist(), "gradients": gradients + 0,
+            "ll_mean": ll.mean(1).tolist(), "gradients": gradients,
         })
         if args.verbose:
             print(json.dumps({key: record[-1][key] for key in ("t", "beta", "step", "accept", "ll_corr_before_after",
