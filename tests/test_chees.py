@@ -17,7 +17,7 @@ import pyrobdl
 import pyrobdl.inference.chees as chees
 from pyrobdl.datasets import bayesian_linear_regression
 from pyrobdl.diagnostics import CertificationCriteria, certify
-from pyrobdl.diagnostics.arviz_adapter import convergence
+from pyrobdl.diagnostics import convergence
 from pyrobdl.flat import FlatLogJoint
 from pyrobdl.inference import MCMCPosterior, SamplerTrace
 from pyrobdl.inference.chees import WindowVariance, chees_gradient, halton, warmup_windows

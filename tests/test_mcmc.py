@@ -18,7 +18,7 @@ from pyro.infer.mcmc.util import initialize_model
 
 import pyrobdl
 from pyrobdl.datasets import bayesian_linear_regression
-from pyrobdl.diagnostics.arviz_adapter import convergence
+from pyrobdl.diagnostics import convergence
 from pyrobdl.inference import MCMCPosterior, load_reference, run_reference
 from pyrobdl.inference.mcmc import _direct_potential, chain_seeds
 

@@ -31,7 +31,7 @@ target acceptance 0.651, ``chunk_size="auto"``, init from the prior).  For each 
 seconds of the sampler (NumPyro: warm-up + sampling; chees: the fit's own clocks, ``Cost``),
 chain-gradients (warm-up, step-size searches and sampling included), CPU microseconds per
 gradient, minimum and median bulk ESS of the function values at the first 50 training inputs
-(``pyrobdl.diagnostics.arviz_adapter.convergence``), those per CPU second and their ratio to the
+(``pyrobdl.diagnostics.convergence``, equal to ArviZ's), those per CPU second and their ratio to the
 same seed's NumPyro run, the maximum split R-hat, and (chees) the certification.  With two or
 more seeds, NumPyro and the chees runs are interleaved (the order is reversed every other seed).
 

@@ -49,7 +49,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import pyrobdl  # noqa: E402
-from pyrobdl.diagnostics.arviz_adapter import convergence  # noqa: E402
+from pyrobdl.diagnostics import convergence  # noqa: E402
 
 N, D, H = 500, 8, 50
 CONCENTRATION, RATE = 6.0, 6.0

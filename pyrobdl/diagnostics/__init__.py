@@ -1,11 +1,11 @@
-"""Diagnostics: posterior-quality metrics, ArviZ conversion and convergence, certification of
-reference posteriors, gradient variance."""
+"""Diagnostics: posterior-quality metrics, ArviZ conversion, convergence (rank-normalised R-hat
+and ESS, batched), certification of reference posteriors, gradient variance."""
 
 from . import metrics, plots
-from .arviz_adapter import convergence
 from .certification import Certification, CertificationCriteria, certify
 from .evaluate import evaluate, fit_diagnostics, vi_pareto_k
 from .gradient_variance import gradient_variance
+from .rank_diagnostics import convergence
 
 __all__ = [
     "Certification",

@@ -36,8 +36,8 @@ __all__ = [
     "LooResult",
     "az",
     "bfmi",
+    "arviz_convergence",
     "chain_draws",
-    "convergence",
     "is_point_mass",
     "pareto_k",
     "plot_rank",
@@ -51,8 +51,12 @@ __all__ = [
 _CHUNK = 256
 
 
-def convergence(draws: Any) -> dict[str, np.ndarray]:
-    r"""Split-R-hat and bulk/tail effective sample sizes of each scalar quantity.
+def arviz_convergence(draws: Any) -> dict[str, np.ndarray]:
+    r"""ArviZ's own split-R-hat and bulk/tail effective sample sizes of each scalar quantity.
+
+    pyrobdl computes these numbers with :func:`pyrobdl.diagnostics.convergence` (all quantities in
+    one batch, on the draws' device; ArviZ calls one Python function per quantity, minutes for
+    thousands of chains); this is ArviZ's computation, the reference that one is tested against.
 
     Parameters
     ----------

@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 from .._validation import check_inputs
-from .arviz_adapter import convergence
+from .rank_diagnostics import convergence
 
 __all__ = [
     "MIN_DRAWS",

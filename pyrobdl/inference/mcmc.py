@@ -11,7 +11,7 @@ things around the kernels and changes nothing inside them:
   runs, because Pyro resets the kernel's counters at the end of ``MCMC.run`` (DESIGN.md, known
   traps) and keeps no energy at all;
 * **convergence diagnostics** (R-hat, bulk/tail ESS through
-  :func:`pyrobdl.diagnostics.arviz_adapter.convergence`) on the weights and, more usefully for
+  :func:`pyrobdl.diagnostics.convergence`, equal to ArviZ's) on the weights and, more usefully for
   a neural network, on the function values at fixed inputs.
 
 The result, :class:`MCMCPosterior`, keeps every draw and obeys the shared posterior contract.
@@ -33,7 +33,7 @@ from pyro.infer.autoguide.initialization import init_to_median, init_to_sample, 
 from pyro.infer.mcmc import HMC, MCMC, NUTS
 from pyro.infer.mcmc.util import initialize_model
 
-from ..diagnostics.arviz_adapter import convergence
+from ..diagnostics.rank_diagnostics import convergence
 from ..guides.base import model_sites
 from ..posterior import Cost, Posterior
 from .registry import Method, fit, register_method, require_proper_prior
@@ -693,12 +693,12 @@ class MCMCPosterior(Posterior):
         f = self.function_draws(x)
         if self.model.likelihood.task == "classification":
             f = torch.softmax(f, dim=-1)
-        return convergence(f.double().cpu().numpy())
+        return convergence(f)  # on the posterior's device, in float64
 
     def weight_space_convergence(self) -> dict[str, np.ndarray]:
         """R-hat and bulk/tail ESS of every scalar weight and latent, flattened in site order."""
         flat = torch.cat([v.reshape(self.num_chains, self.num_draws, -1) for v in self.samples.values()], -1)
-        return convergence(flat.double().cpu().numpy())
+        return convergence(flat)
 
     def convergence_summary(self, x: torch.Tensor) -> dict[str, Any]:
         """Summaries (max R-hat, min/median ESS) in weight space, function space at ``x``, and per
@@ -709,7 +709,7 @@ class MCMCPosterior(Posterior):
         }
         latents = {}
         for name in self.model.likelihood.latent_distributions(self.model.device):
-            conv = convergence(self.samples[name].double().cpu().numpy())
+            conv = convergence(self.samples[name])
             latents[name] = {k: float(v) for k, v in conv.items()}
         out["latents"] = latents
         return out
