@@ -138,10 +138,12 @@ def e2e(x, y, device: torch.device, args, out: Path) -> None:
                                 seed=args.seed, progress=False, compile=True, device=str(device))
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
+                call_start = time.perf_counter()
                 post = pyrobdl.fit(make_model(), x, y, method="chees", num_chains=k, num_warmup=args.chees_warmup,
                                    num_samples=samples, seed=args.seed, progress=args.progress,
                                    diagnostic_points=NUM_EVAL,
                                    compile=compiled, device=str(device))
+                call_wall = time.perf_counter() - call_start
             d = post.diagnostics
             f = post.function_draws(torch.as_tensor(x[:NUM_EVAL]))[..., 0].double().cpu().numpy()
             cert = d["certification"]
@@ -153,6 +155,9 @@ def e2e(x, y, device: torch.device, args, out: Path) -> None:
                 "divergences": int(sum(d["divergences"])), "ebfmi_min": float(np.min(d["ebfmi"])),
                 "certified": bool(cert["passed"]), "certification_failures": list(cert["failures"]),
                 "peak_memory_bytes": post.cost.peak_memory_bytes,
+                # the whole fit call: sampling (the cost above) plus the certification and the
+                # convergence summary computed after it
+                "fit_call_wall_s": call_wall,
                 "warnings": sorted({str(w.message)[:200] for w in caught}),
             }
             row = per_cpu(summarise(f"pyrobdl chees K={k} on {device}", post.cost.wall_time_s, post.cost.cpu_time_s,
@@ -163,6 +168,7 @@ def e2e(x, y, device: torch.device, args, out: Path) -> None:
                 # GPU wall seconds (the GPU is the chees run's whole cost) against NumPyro's CPU seconds
                 row["ess_min_per_wall_s_vs_numpyro_cpu_s"] = row["ess_min_per_s"] / ref["ess_min_per_cpu_s"]
                 row["ess_median_per_wall_s_vs_numpyro_cpu_s"] = row["ess_median_per_s"] / ref["ess_median_per_cpu_s"]
+                row["numpyro_reference_seeds"] = ref["seeds"]
             emit(row, out)
             del post
             if device.type == "cuda":
@@ -177,7 +183,9 @@ def numpyro_reference(path: str | None) -> dict | None:
     rows = [r for r in rows if r.get("method") == "numpyro" and r.get("reference")]
     if not rows:
         return None
-    return {key: statistics.median(r[key] for r in rows) for key in ("ess_min_per_cpu_s", "ess_median_per_cpu_s")}
+    ref = {key: statistics.median(r[key] for r in rows) for key in ("ess_min_per_cpu_s", "ess_median_per_cpu_s")}
+    # which runs the ratio used: with --part numpyro still running beside, perhaps not every seed yet
+    return {**ref, "seeds": sorted(r.get("seed") for r in rows)}
 
 
 def main() -> None:
