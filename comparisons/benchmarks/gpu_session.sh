@@ -1,0 +1,44 @@
+#!/bin/bash
+# Issue 11's GPU checks in one call, for a machine with CUDA, PyTorch, JAX and NumPyro but no
+# package index (the lent H100/H200 machines): the CUDA tests, then chees end to end on the GPU
+# with NumPyro NUTS on the host CPU beside it (docs/benchmarks.md, "On an NVIDIA H100 again").
+#
+# Before the call, on a machine with pip (the wheels are pure Python; platformdirs is what
+# ArviZ 0.23 imports and that image lacks):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl \
+#       pyro-ppl==1.9.2 pyro-api==0.1.2 arviz==0.23.4 h5netcdf==1.8.2 xarray-einstats==0.9.1 platformdirs
+# and carry .whl (kept out of git, e.g. by .git/info/exclude). Then, from the repository root:
+#   OUT=some/folder bash comparisons/benchmarks/gpu_session.sh
+# Everything it writes (environment, logs, JSON lines) goes to $OUT. About 5 minutes on an H100.
+set -u
+OUT=${OUT:?set OUT to a folder for the results}
+mkdir -p "$OUT"
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
+    export PYTHONPATH=/tmp/site:$PWD
+else
+    export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1 TQDM_MININTERVAL=5
+T0=$(date +%s)
+{ date -u; uptime; nproc; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; uname -r
+  python3 -c "import sys,torch,jax,numpyro,pyro,arviz;print(sys.version);print(torch.__version__,jax.__version__,numpyro.__version__,pyro.__version__,arviz.__version__)"; } > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+python3 -c "import pyrobdl" || { echo "pyrobdl does not import: a dependency is missing (see the header)"; exit 4; }
+
+# NumPyro NUTS on the host CPU, its own process, one XLA thread (~3 minutes for both seeds)
+(python3 comparisons/benchmarks/chees_gpu.py --part numpyro --seeds 0 1 --out "$OUT/numpyro.jsonl" > "$OUT/numpyro.log" 2>&1 &)
+
+# the CUDA tests (every test that is parametrised over devices or marked cuda), before the timings
+timeout 150 python3 -m pytest -q -p no:cacheprovider -k cuda tests/test_rank_diagnostics.py tests/test_checkpoint.py \
+    tests/test_chees.py tests/test_fit.py tests/test_flat.py tests/test_flat_elbo.py tests/test_gradient_variance.py \
+    tests/test_inference_data.py tests/test_mcmc.py 2>&1 | tee "$OUT/tests.log"
+echo "tests done at $(( $(date +%s) - T0 )) s"
+
+# chees end to end: 150 warm-up iterations and 100 draws per chain, compiled (K = 2,048 first)
+python3 comparisons/benchmarks/chees_gpu.py --part e2e --chees-chains 2048 4096 --compile-chains 2048 4096 \
+    --chees-warmup 150 --chees-min-samples 100 --progress --out "$OUT/gpu.jsonl" 2>&1 | tee "$OUT/e2e.log"
+echo "e2e done at $(( $(date +%s) - T0 )) s"
+# NumPyro's cached runs give the ratios (the e2e rows name the seeds they used)
+for _ in $(seq 60); do pgrep -f "part numpyro" > /dev/null || break; sleep 2; done
+echo "all done at $(( $(date +%s) - T0 )) s"
