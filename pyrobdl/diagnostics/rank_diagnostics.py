@@ -96,7 +96,7 @@ def _batch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """R-hat, bulk ESS and tail ESS of ``x[quantity, chain, draw]`` (at least 4 draws)."""
     v, c, d = x.shape
     half = d // 2
-    split = torch.cat([x[:, :, :half], x[:, :, d - half:]], dim=1)  # [v, 2c, half]
+    split = _split_chains(x)  # [v, 2c, half]
 
     z, sorted_split = _z_scale(split)
     n = sorted_split.shape[1]
@@ -115,14 +115,20 @@ def _batch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     ess_q = []
     for p in _TAIL_PROBS:
         q = _quantile_type7(pooled, p)
-        below = (x <= q[:, None, None]).to(x.dtype)
-        ess_q.append(_ess(torch.cat([below[:, :, :half], below[:, :, d - half:]], dim=1)))
+        ess_q.append(_ess(_split_chains((x <= q[:, None, None]).to(x.dtype))))
     low, high = ess_q
     ess_tail = torch.where(high < low, high, low)  # Python's min(low, high)
 
     bad = torch.isnan(x).flatten(1).any(1)
     nan = torch.full_like(rhat, math.nan)
     return torch.where(bad, nan, rhat), torch.where(bad, nan, ess_bulk), torch.where(bad, nan, ess_tail)
+
+
+def _split_chains(x: torch.Tensor) -> torch.Tensor:
+    """``x[quantity, chain, draw]`` as twice the chains of half the draws (an odd middle draw dropped)."""
+    d = x.shape[2]
+    half = d // 2
+    return torch.cat([x[:, :, :half], x[:, :, d - half:]], dim=1)
 
 
 def _z_scale(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,13 +174,14 @@ def _ess(x: torch.Tensor) -> torch.Tensor:
     size = m * n
     constant = (x.amax((1, 2)) - x.amin((1, 2))) < np.finfo(float).resolution
     fft_len = next_fast_len(2 * n, real=True)
-    centred = x - x.mean(2, keepdim=True)
+    chain_mean = x.mean(2, keepdim=True)
+    centred = x - chain_mean
     spectrum = torch.fft.rfft(centred, n=fft_len, dim=2)
     acov = torch.fft.irfft(spectrum * spectrum.conj(), n=fft_len, dim=2)[..., :n] / n
     mean_var = acov[:, :, 0].mean(1) * n / (n - 1.0)
     var_plus = mean_var * (n - 1.0) / n
     if m > 1:
-        var_plus = var_plus + x.mean(2).var(1, correction=1)
+        var_plus = var_plus + chain_mean[..., 0].var(1, correction=1)
     rho = 1.0 - (mean_var[:, None] - acov.mean(1)) / var_plus[:, None]  # [v, n]; rho[:, 0] is taken as 1
 
     # pair sums S_0 = 1 + rho_1 and S_k = rho_2k + rho_2k+1 for the pairs Geyer's loop may reach
