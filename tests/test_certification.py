@@ -134,6 +134,21 @@ def test_nested_rhat_of_iid_draws_is_near_one_and_of_separated_superchains_is_la
     assert nested_rhat(rng.normal(size=(400, 1)), 20) < 1.05
 
 
+def test_nested_rhat_of_a_tensor_equals_that_of_its_array():
+    """Tensors (a CUDA posterior's draws) are summarised where they are, in float64, to the same numbers."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(16, 40, 3, 2)) + np.repeat(np.arange(4), 4)[:, None, None, None] * 0.1
+    expected = nested_rhat(x, 4)
+    assert expected.shape == (3, 2) and np.all(expected > 1)
+    np.testing.assert_allclose(nested_rhat(torch.from_numpy(x).float(), 4), expected, rtol=1e-6)
+    np.testing.assert_allclose(nested_rhat(torch.from_numpy(x), 4), expected, rtol=1e-13)
+    # zero within-superchain variance: nan where the between-variance is zero too, inf where it is not
+    const = np.zeros((4, 5, 2))
+    const[2:, :, 1] = 1.0
+    r = nested_rhat(torch.from_numpy(const), 2)
+    assert np.isnan(r[0]) and np.isinf(r[1])
+
+
 def test_nested_rhat_needs_two_full_superchains():
     with pytest.raises(ValueError, match="2 superchains"):
         nested_rhat(np.zeros((6, 10)), 4)
@@ -467,3 +482,18 @@ def test_evaluate_reports_whether_the_reference_is_certified():
     plain = StoredPosterior(post.model, post.sample(40), "map")
     assert "reference_certified" not in evaluate(post, x, y, reference=plain, num_samples=20)
 
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_certify_a_cuda_posterior_where_its_draws_are_equals_certify_on_cpu():
+    cpu = iid_posterior(chains=16, draws=100, shift=0.01, superchain_size=4)
+    gpu = iid_posterior(chains=16, draws=100, shift=0.01, superchain_size=4, model=blr_model().to("cuda"))
+    gpu.samples = {k: v.to("cuda") for k, v in cpu.samples.items()}
+    assert gpu.model.device.type == "cuda"
+    for rhat in ("split", "nested", "both"):
+        a = certify(cpu, points(), CertificationCriteria(rhat=rhat)).to_dict()
+        b = certify(gpu, points(), CertificationCriteria(rhat=rhat)).to_dict()
+        assert a.keys() == b.keys() and a["passed"] == b["passed"] and a["failures"] == b["failures"]
+        for key in ("rhat_max", "rhat_split_max", "ess_bulk_min", "ess_tail_min"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5), key  # float32 network outputs on two devices

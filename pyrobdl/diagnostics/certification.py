@@ -365,10 +365,13 @@ def nested_rhat(draws: Any, superchain_size: int) -> np.ndarray:
     bounded below by 1 (footnote 3 of the paper).  No splitting and no rank normalisation are
     applied, as in the paper.
     """
-    arr = np.asarray(draws, dtype=float)
     _integer("nested_rhat", "superchain_size", superchain_size, 1)
+    if isinstance(draws, torch.Tensor):  # computed where the draws are (a CUDA posterior's stay on the GPU)
+        arr = draws.detach().to(torch.float64)
+    else:
+        arr = torch.as_tensor(np.asarray(draws, dtype=float))
     if arr.ndim < 2:
-        raise ValueError(f"draws must have shape [chain, draw, ...], got {arr.shape}")
+        raise ValueError(f"draws must have shape [chain, draw, ...], got {tuple(arr.shape)}")
     c, n = arr.shape[:2]
     m = superchain_size
     if c % m or c // m < 2:
@@ -379,13 +382,12 @@ def nested_rhat(draws: Any, superchain_size: int) -> np.ndarray:
     x = arr.reshape(k, m, n, -1)
     chain_mean = x.mean(2)  # [K, M, Q]
     super_mean = chain_mean.mean(1)  # [K, Q]: equal chain lengths, so the mean of all M*N draws
-    b_nu = super_mean.var(0, ddof=1)
-    b_k = chain_mean.var(1, ddof=1) if m > 1 else np.zeros_like(super_mean)
-    w_k = x.var(2, ddof=1).mean(1) if n > 1 else np.zeros_like(super_mean)
+    b_nu = super_mean.var(0, correction=1)
+    b_k = chain_mean.var(1, correction=1) if m > 1 else torch.zeros_like(super_mean)
+    w_k = x.var(2, correction=1).mean(1) if n > 1 else torch.zeros_like(super_mean)
     w_nu = (b_k + w_k).mean(0)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        r = np.sqrt(1.0 + b_nu / w_nu)
-    return r.reshape(arr.shape[2:])
+    r = torch.sqrt(1.0 + b_nu / w_nu)  # 0/0 -> nan, b/0 -> inf, as documented
+    return r.reshape(arr.shape[2:]).cpu().numpy()
 
 
 def ebfmi(energy: Any) -> np.ndarray:
@@ -425,14 +427,14 @@ def ebfmi(energy: Any) -> np.ndarray:
 # ----------------------------------------------------------------------------- certify
 
 
-def _function_values(posterior: Any, x: Any) -> np.ndarray:
-    """``[chain, draw, N, out]`` float64: network outputs, or class probabilities."""
+def _function_values(posterior: Any, x: Any) -> torch.Tensor:
+    """``[chain, draw, N, out]`` float64 on the draws' device: network outputs, or class probabilities."""
     model = posterior.model
     xt = check_inputs(model, x, "x").to(model.device)
     f = posterior.function_draws(xt)
     if model.likelihood.task == "classification":
         f = torch.softmax(f, dim=-1)  # logits are not identifiable (a shared shift changes nothing)
-    return f.double().cpu().numpy()
+    return f.detach().to(torch.float64)
 
 
 def _points_failing(values: np.ndarray, ok: np.ndarray) -> int:
@@ -548,7 +550,7 @@ def certify(posterior: Any, x: Any, criteria: CertificationCriteria | None = Non
         conv = convergence(f)
         if c == 1:
             half = d // 2
-            split = convergence(np.stack([f[0, :half], f[0, d - half:]]))["rhat"]
+            split = convergence(torch.stack([f[0, :half], f[0, d - half:]]))["rhat"]
         else:
             split = conv["rhat"]
         split_max = float(np.max(split))
