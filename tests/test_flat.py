@@ -186,6 +186,24 @@ def test_gradient_equals_autograd_twin(float64, likelihood, hidden, activation):
     assert rel_err(v1, full_value[2]) < TOL64
 
 
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("likelihood", ["gaussian-1", "learned-1"])
+def test_relu_output_gradient_from_layer_zeros_product_equals_its_own_product(float64, likelihood, bias):
+    """relu into one output unit (the UCI models): the output weight's gradient is taken from the
+    product layer 0's gradient computes (relu(a) = a 1[a > 0]); it equals the direct product
+    g^T relu(a0), for the full data, one minibatch and a minibatch per row, biases or none."""
+    lik, out = LIKELIHOODS[likelihood]
+    model = pyrobdl.BayesianMLP(3, (6,), out, activation="relu", likelihood=lik(), bias=bias)
+    x, y = make_data(model, n=11)
+    folded, direct = FlatLogJoint(model, x, y), FlatLogJoint(model, x, y)
+    direct._fold_output_grad = False
+    assert folded._fold_output_grad
+    theta = folded.sample_prior(4, generator=torch.Generator().manual_seed(3))
+    per_row = torch.stack([torch.randperm(11, generator=torch.Generator().manual_seed(r))[:5] for r in range(4)])
+    assert_same_calls(folded.value_and_grad, direct.value_and_grad, theta, (None, torch.tensor([7, 1, 4]), per_row))
+    assert_same_calls(folded.value_and_grad, folded.log_prob_grad_autograd, theta, (None, torch.tensor([7, 1, 4])))
+
+
 def log_prior_by_hand(model, lj: FlatLogJoint, theta: torch.Tensor) -> torch.Tensor:
     """Log prior of each row in unconstrained space, from torch.distributions and the sites' scales."""
     values = lj.layout.unpack(theta, constrained=False)
