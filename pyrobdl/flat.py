@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import time
+import types
 import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -174,6 +175,26 @@ def _check_prior(prior: Any) -> None:
         raise TypeError(f"the flat log joint supports priors.Gaussian, not {type(prior).__name__}")
 
 
+#: One code object per kind of compiled log joint (see :func:`_compiled_entry`).
+_COMPILED_CODES: dict[tuple, types.CodeType] = {}
+
+
+def _compiled_entry(fn: types.FunctionType, key: tuple) -> types.FunctionType:
+    """``fn`` with a code object shared only by log joints of the same ``key`` (shapes, model).
+
+    Dynamo keeps its compiled graphs, and its limit of 8 recompilations, per code object: every
+    :meth:`FlatLogJoint.compile` passes the same lambda, so a process that compiled log joints of
+    more than 8 shapes (a suite over many datasets, one worker) ran the 9th and later eagerly
+    while reporting them compiled.  Log joints of the same key still share one compiled graph
+    (the data are graph inputs, so another split of a dataset compiles nothing).
+    """
+    code = _COMPILED_CODES.get(key)
+    if code is None:
+        code = fn.__code__.replace(co_name=f"flat_log_joint_{len(_COMPILED_CODES)}")
+        _COMPILED_CODES[key] = code
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+
+
 class FlatLogJoint:
     r"""Log joint density of a BayesianMLP and its gradient for a batch of flat parameter vectors.
 
@@ -307,7 +328,11 @@ class FlatLogJoint:
                 # float32 results, and a caller's warnings-as-errors filter must not turn it into a
                 # compilation failure (seen on an H200 under pytest's filterwarnings = error)
                 warnings.filterwarnings("ignore", message=".*TensorFloat32 tensor cores", category=UserWarning)
-                fn = torch.compile(lambda theta: self._value_and_grad(theta, None, True, functional=True), dynamic=False)
+                key = (tuple(self._x1.shape), tuple(self.y.shape), self.y.dtype, self.dtype, str(self.device),
+                       tuple(self.model.hidden), self.model.out_features, self._act, type(self.model.likelihood).__name__,
+                       self.layout.size, self._fold_output_grad)
+                entry = _compiled_entry(lambda theta: self._value_and_grad(theta, None, True, functional=True), key)
+                fn = torch.compile(entry, dynamic=False)
                 for k in sorted(sizes):
                     fn(torch.zeros(k, self.size, dtype=self.dtype, device=self.device))  # shapes matter, not values
         except Exception as err:  # torch's compiler raises many types (BackendCompilerFailed, ...)

@@ -324,6 +324,36 @@ def test_compile_survives_inductors_tf32_advice_under_warnings_as_errors(monkeyp
             FlatLogJoint(model, x, y).compile(4)
 
 
+def test_every_compiled_shape_is_compiled_past_dynamos_recompile_limit(monkeypatch):
+    """Dynamo compiles a code object at most 8 times (``recompile_limit``) and then runs it
+    eagerly: with one lambda for every log joint, a process that compiled 9 or more shapes ran the
+    later ones uncompiled while reporting them compiled.  Every shape must reach the compiler, and
+    log joints of one shape must share one compilation.  (Dynamo with a counting backend, no
+    Inductor, so this takes a second.)"""
+    compiled_graphs = []
+
+    def counting(gm, example_inputs):
+        compiled_graphs.append(gm)
+        return gm.forward
+
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, backend=counting, **kw))
+    torch._dynamo.reset()
+    model = make_model("scalar", "learned-1", (5,), "relu")
+    shapes = [10 + i for i in range(12)]  # > torch._dynamo.config.recompile_limit (8)
+    assert len(shapes) > getattr(torch._dynamo.config, "recompile_limit", 8)
+    for n in shapes + shapes[:2]:  # the last two repeat a shape: nothing new to compile
+        x, y = make_data(model, n=n, dtype=torch.float32)
+        lj = FlatLogJoint(model, x, y)
+        lj.compile(4)
+        theta = lj.sample_prior(4, generator=torch.Generator().manual_seed(n))
+        value, grad = lj.value_and_grad(theta)
+        v_ref, g_ref = FlatLogJoint(model, x, y).value_and_grad(theta)
+        torch.testing.assert_close(value, v_ref)
+        torch.testing.assert_close(grad, g_ref)
+    assert len(compiled_graphs) == len(shapes)
+
+
 def test_auto_chunk_size_is_the_documented_power_of_two():
     # the docstring's measurement: 1x50 tanh, N = 500 -> chunks of 16 (400k / (500 * 50) = 16)
     assert auto_chunk_size(500, 50) == 16
