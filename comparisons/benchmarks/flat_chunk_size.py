@@ -34,17 +34,24 @@ def probe(n: int, d: int, act: str, k: int, sizes: list, rounds: int, seconds: f
                                 likelihood=pyrobdl.likelihoods.GaussianLearnedPrecision(1.0, 0.01))
     ljs = {c: FlatLogJoint(model, x, y, chunk_size=c) for c in sizes}
     theta = ljs[sizes[0]].sample_prior(k, generator=g) * 0.3
-    times: dict = {c: [] for c in sizes}
+    return {c: statistics.median(v) for c, v in interleaved_cpu_us(ljs, theta, rounds, seconds).items()}
+
+
+def interleaved_cpu_us(ljs: dict, theta: torch.Tensor, rounds: int, seconds: float) -> dict:
+    """CPU µs per chain-gradient of each log joint's ``value_and_grad(theta)``, one list per variant:
+    ``rounds`` rounds, variants in alternating order, each for ``seconds`` of process CPU time."""
+    names = list(ljs)
+    times: dict = {name: [] for name in names}
     for r in range(rounds):
-        for c in sizes if r % 2 == 0 else sizes[::-1]:
-            lj = ljs[c]
+        for name in names if r % 2 == 0 else names[::-1]:
+            lj = ljs[name]
             lj.value_and_grad(theta)
             reps, start = 0, time.process_time()
             while time.process_time() - start < seconds:
                 lj.value_and_grad(theta)
                 reps += 1
-            times[c].append((time.process_time() - start) / reps / k * 1e6)
-    return {c: statistics.median(v) for c, v in times.items()}
+            times[name].append((time.process_time() - start) / reps / theta.shape[0] * 1e6)
+    return times
 
 
 def main() -> None:

@@ -23,10 +23,10 @@ import argparse
 import json
 import os
 import statistics
-import time
 import warnings
 
 import torch
+from flat_chunk_size import interleaved_cpu_us  # this folder is on the path when run as a script
 
 import pyrobdl
 from pyrobdl.flat import FlatLogJoint
@@ -58,17 +58,7 @@ def probe(n: int, d: int, k: int, rounds: int, seconds: float) -> dict:
     ljs, theta = variants(n, d, k)
     ref = ljs["eager, own product"].value_and_grad(theta)[1]
     diff = {name: float((lj.value_and_grad(theta)[1] - ref).abs().max() / ref.abs().max()) for name, lj in ljs.items()}
-    times: dict = {name: [] for name in ljs}
-    names = list(ljs)
-    for r in range(rounds):
-        for name in names if r % 2 == 0 else names[::-1]:
-            lj = ljs[name]
-            lj.value_and_grad(theta)
-            reps, start = 0, time.process_time()
-            while time.process_time() - start < seconds:
-                lj.value_and_grad(theta)
-                reps += 1
-            times[name].append((time.process_time() - start) / reps / k * 1e6)
+    times = interleaved_cpu_us(ljs, theta, rounds, seconds)
     return {name: {"median_us": statistics.median(v), "min_us": min(v), "rounds_us": v,
                    "max_rel_grad_diff": diff[name]} for name, v in times.items()}
 
