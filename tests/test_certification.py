@@ -135,11 +135,17 @@ def test_nested_rhat_of_iid_draws_is_near_one_and_of_separated_superchains_is_la
 
 
 def test_nested_rhat_of_a_tensor_equals_that_of_its_array():
-    """Tensors (a CUDA posterior's draws) are summarised where they are, in float64, to the same numbers."""
+    """Tensors (a CUDA posterior's draws) are summarised where they are, in float64, to the same numbers
+    as the paper's formulas written out in numpy (independent of the function's torch code)."""
     rng = np.random.default_rng(3)
     x = rng.normal(size=(16, 40, 3, 2)) + np.repeat(np.arange(4), 4)[:, None, None, None] * 0.1
-    expected = nested_rhat(x, 4)
+    grouped = x.reshape(4, 4, 40, 3, 2)  # [superchain, chain, draw, ...]
+    chain_mean = grouped.mean(2)
+    between = chain_mean.mean(1).var(0, ddof=1)
+    within = (chain_mean.var(1, ddof=1) + grouped.var(2, ddof=1).mean(1)).mean(0)
+    expected = np.sqrt(1 + between / within)
     assert expected.shape == (3, 2) and np.all(expected > 1)
+    np.testing.assert_allclose(nested_rhat(x, 4), expected, rtol=1e-13)
     np.testing.assert_allclose(nested_rhat(torch.from_numpy(x).float(), 4), expected, rtol=1e-6)
     np.testing.assert_allclose(nested_rhat(torch.from_numpy(x), 4), expected, rtol=1e-13)
     # zero within-superchain variance: nan where the between-variance is zero too, inf where it is not
