@@ -77,7 +77,8 @@ def prefix_certifications(post: MCMCPosterior, held_back: torch.Tensor, prefixes
         rows.append({"num_samples": n, "certified_split": s.passed, "certified_nested": nst.passed,
                      "rhat_split_max": s.rhat_max, "rhat_nested_max": nst.rhat_max,
                      "ess_bulk_min": s.ess_bulk_min, "ess_tail_min": s.ess_tail_min,
-                     "divergences": s.divergences, "failures_nested": list(nst.failures)})
+                     "divergences": s.divergences, "ebfmi_min": s.ebfmi_min, "ebfmi_pooled": s.ebfmi_pooled,
+                     "failures_nested": list(nst.failures)})
     return rows
 
 
@@ -139,6 +140,7 @@ def run_split(name: str, split: int, args: argparse.Namespace) -> dict:
         "rhat_split_max": split_cert.rhat_max, "rhat_nested_max": nested_cert.rhat_max,
         "ess_bulk_min": split_cert.ess_bulk_min, "ess_tail_min": split_cert.ess_tail_min,
         "divergences": split_cert.divergences, "ebfmi_min": split_cert.ebfmi_min,
+        "ebfmi_pooled": split_cert.ebfmi_pooled,
         "prefixes": prefixes,
         "resumed_at": d["resumed_at"],
         "extensions": post.diagnostics.get("extensions", []),

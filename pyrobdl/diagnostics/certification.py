@@ -7,8 +7,7 @@ measured values, and one human-readable sentence per failed criterion.
 
 The criteria follow posteriordb's definition of a reference posterior (its
 ``doc/REFERENCE_POSTERIOR_DEFINITION.md``: R-hat below 1.01, no divergent transitions after
-warm-up, the E-BFMI threshold 0.2, read here as E-BFMI of at least 0.2 in every chain, and 10,000
-nearly independent draws, which pyrobdl replaces by Vehtari et al.'s (2021) bulk and tail ESS of
+warm-up, the E-BFMI threshold 0.2, and 10,000 nearly independent draws, which pyrobdl replaces by Vehtari et al.'s (2021) bulk and tail ESS of
 at least 400), carried to **function space**: R-hat and ESS are computed for the network output
 :math:`f(x_n)` at fixed inputs :math:`x_1 \dots x_N` (class probabilities for classification), not
 for the weights.  The weights of a neural network are not
@@ -23,6 +22,15 @@ computed by ArviZ (for a few long chains), and ``"nested"``, the nested R-hat of
 (2024) for many short chains grouped in superchains (:func:`nested_rhat`, implemented here in
 numpy since ArviZ has none); ``"both"`` requires each.  Every ArviZ call goes through
 :mod:`pyrobdl.diagnostics.arviz_adapter`.
+
+E-BFMI is checked **pooled over the chains** by default (:func:`ebfmi_pooled`), or in every chain
+(``CertificationCriteria(ebfmi="per-chain")``, Stan's per-chain warning).  posteriordb's
+references have 10,000 draws per chain, where one chain's E-BFMI is a precise estimate; with many
+short chains it is not: over 300 draws its sampling noise alone is ~0.1, and on the wine
+references (512 chains in eight posteriors) a chain's E-BFMI over its first 300 draws did not
+predict its E-BFMI over the next 300 (correlation 0.06; the spread between chains, 0.105, is the
+noise's, 0.102), so the smallest of hundreds of chains is a far tail of noise.  The pooled
+estimate has the precision posteriordb's per-chain one has (docs/diagnostics.md, "E-BFMI").
 
 References
 ----------
@@ -57,6 +65,7 @@ from .rank_diagnostics import convergence
 
 __all__ = [
     "MIN_DRAWS",
+    "EBFMI_METHODS",
     "RHAT_METHODS",
     "Certification",
     "CertificationCriteria",
@@ -65,11 +74,14 @@ __all__ = [
     "certify",
     "check_certify_inputs",
     "ebfmi",
+    "ebfmi_pooled",
     "nested_rhat",
 ]
 
 #: R-hat variants :class:`CertificationCriteria` accepts.
 RHAT_METHODS = ("split", "nested", "both")
+#: How :class:`CertificationCriteria` reads the E-BFMI threshold.
+EBFMI_METHODS = ("pooled", "per-chain")
 #: Fewest draws per chain with which R-hat and ESS are defined (ArviZ's minimum as well).
 MIN_DRAWS = 4
 #: At most this many chain indices are listed in an E-BFMI failure sentence.
@@ -107,7 +119,13 @@ class CertificationCriteria:
     max_divergences : int, default 0
         Divergent transitions allowed after warm-up, all chains together.
     min_ebfmi : float, default 0.2
-        Smallest E-BFMI allowed in *every* chain (:func:`ebfmi`).
+        Smallest E-BFMI allowed: pooled over the chains, or in every chain (``ebfmi``).
+    ebfmi : {"pooled", "per-chain"}, default "pooled"
+        ``"pooled"``: :func:`ebfmi_pooled`, one estimate from every chain's sampling iterations
+        (a chain that wanders in energy weighs in with its large energy variance); ``"per-chain"``:
+        :func:`ebfmi` of every chain, Stan's reading, which with many short chains fails on the
+        noise of the smallest (module docstring).  Records written before this option existed
+        read back as ``"per-chain"``, what they checked.
     rhat : {"split", "nested", "both"}, default "split"
         ``"split"``: rank-normalised split R-hat (Vehtari et al. 2021), what ``az.rhat``
         computes; ``"nested"``: nested R-hat (Margossian et al. 2024, :func:`nested_rhat`) for
@@ -142,6 +160,7 @@ class CertificationCriteria:
     min_ebfmi: float = 0.2
     rhat: str = "split"
     superchain_size: int | None = None
+    ebfmi: str = "pooled"
 
     def __post_init__(self) -> None:
         owner = "CertificationCriteria"
@@ -152,6 +171,8 @@ class CertificationCriteria:
         _number(owner, "min_ebfmi", self.min_ebfmi, low=0.0, strict=False)
         if self.rhat not in RHAT_METHODS:
             raise ValueError(f"{owner}.rhat must be one of {list(RHAT_METHODS)}, got {self.rhat!r}")
+        if self.ebfmi not in EBFMI_METHODS:
+            raise ValueError(f"{owner}.ebfmi must be one of {list(EBFMI_METHODS)}, got {self.ebfmi!r}")
         if self.superchain_size is not None:
             _integer(owner, "superchain_size", self.superchain_size, 1)
 
@@ -192,6 +213,9 @@ class Certification:
         Divergent transitions after warm-up, all chains (None: no sampler trace).
     ebfmi_min : float or None
         Smallest per-chain E-BFMI (None: energy not recorded; nan: not computable).
+    ebfmi_pooled : float or None
+        E-BFMI pooled over the chains (:func:`ebfmi_pooled`; None: energy not recorded, or a
+        record written before it was computed).
     num_points : int
         Input points the function was evaluated at.
     num_chains, num_draws : int
@@ -218,6 +242,7 @@ class Certification:
     criteria: CertificationCriteria = field(default_factory=CertificationCriteria)
     rhat_split_max: float | None = None
     rhat_nested_max: float | None = None
+    ebfmi_pooled: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "failures", tuple(str(f) for f in self.failures))
@@ -243,9 +268,14 @@ class Certification:
             rhat = f"function-space {label} {_fmt(self.rhat_max, 3)} ≤ {self.criteria.max_rhat:g}"
         parts = [rhat,
                  f"bulk ESS {_fmt(self.ess_bulk_min, 0)}", f"tail ESS {_fmt(self.ess_tail_min, 0)}",
-                 f"{self.divergences} divergences", f"E-BFMI {_fmt(self.ebfmi_min, 2)}"]
+                 f"{self.divergences} divergences", self._ebfmi_text()]
         return (f"certified ({', '.join(parts)}; {self.num_chains} chains x {self.num_draws} draws "
                 f"at {self.num_points} points)")
+
+    def _ebfmi_text(self) -> str:
+        if self.criteria.ebfmi == "pooled" and self.ebfmi_pooled is not None:
+            return f"E-BFMI {_fmt(self.ebfmi_pooled, 2)} pooled (smallest chain {_fmt(self.ebfmi_min, 2)})"
+        return f"E-BFMI {_fmt(self.ebfmi_min, 2)}"
 
     def __str__(self) -> str:
         return self.summary()
@@ -268,7 +298,7 @@ class Certification:
             If a field is missing or unknown.
         """
         names = {f.name for f in dataclasses.fields(cls)}
-        optional = {"criteria", "rhat_split_max", "rhat_nested_max"}  # older records lack the last two
+        optional = {"criteria", "rhat_split_max", "rhat_nested_max", "ebfmi_pooled"}  # older records lack the last three
         missing, unknown = sorted(names - set(data) - optional), sorted(set(data) - names)
         if missing or unknown:
             raise ValueError(f"not a certification record: missing {missing}, unknown {unknown}")
@@ -279,15 +309,19 @@ class Certification:
             name = f"rhat_{key}_max"
             value = d.get(name, d["rhat_max"] if d["rhat_method"] == key else None)
             d[name] = None if value is None else float(value)
-        if d["ebfmi_min"] is not None:
-            d["ebfmi_min"] = float(d["ebfmi_min"])
+        for key in ("ebfmi_min", "ebfmi_pooled"):
+            if d.get(key) is not None:
+                d[key] = float(d[key])
         if d["divergences"] is not None:
             d["divergences"] = int(d["divergences"])
         for key in ("num_points", "num_chains", "num_draws"):
             d[key] = int(d[key])
         d["failures"] = tuple(d["failures"])
         d["passed"] = bool(d["passed"])
-        d["criteria"] = CertificationCriteria.from_dict(d.get("criteria") or {})
+        criteria = dict(d.get("criteria") or {})
+        # a record from before the option checked E-BFMI in every chain
+        criteria.setdefault("ebfmi", "per-chain")
+        d["criteria"] = CertificationCriteria.from_dict(criteria)
         return cls(**d)
 
 
@@ -424,6 +458,43 @@ def ebfmi(energy: Any) -> np.ndarray:
         return np.where(den > 0, num / np.where(den > 0, den, 1.0), np.nan)
 
 
+def ebfmi_pooled(energy: Any) -> float:
+    r"""E-BFMI pooled over the chains: every chain's squared successive differences of the energy
+    over every chain's squared deviations from its own mean.
+
+    .. math::
+
+        \widehat{\text{E-BFMI}}_{\text{pooled}} = \frac{\sum_k \sum_{n=2}^{N} (E_{kn} - E_{k,n-1})^2}
+        {\sum_k \sum_{n=1}^{N} (E_{kn} - \bar E_k)^2}
+
+    The quantity :func:`ebfmi` estimates from one chain — how far a momentum resampling moves the
+    energy relative to the spread of its marginal distribution, a property of the target and the
+    kinetic energy, the same for every chain that samples it — estimated from all of them.  It is
+    the chains' E-BFMIs averaged with weights proportional to their energy variances, so a chain
+    that wanders in energy (a random walk, E-BFMI near 0, with a large variance) pulls it down
+    much more than its share; each chain's own mean is used, so chains at different energy
+    levels do not inflate the denominator (R-hat is the check for chains that disagree).
+
+    Parameters
+    ----------
+    energy : array-like
+        ``[chain, iteration]`` (or ``[iteration]`` for one chain), sampling iterations only.
+
+    Returns
+    -------
+    float
+        nan with fewer than two iterations, a non-finite energy, or constant energies in every chain.
+    """
+    e = np.atleast_2d(np.asarray(energy, dtype=float))
+    if e.ndim != 2:
+        raise ValueError(f"energy must have shape [chain, iteration], got {np.shape(energy)}")
+    if e.shape[1] < 2 or not np.isfinite(e).all():
+        return float("nan")
+    num = float(np.square(np.diff(e, axis=1)).sum())
+    den = float(np.square(e - e.mean(1, keepdims=True)).sum())
+    return num / den if den > 0 else float("nan")
+
+
 # ----------------------------------------------------------------------------- certify
 
 
@@ -524,8 +595,9 @@ def certify(posterior: Any, x: Any, criteria: CertificationCriteria | None = Non
       that size, fail the certification (the value is still computed when the shape allows).
     * **ESS**: ArviZ's bulk and tail ESS over all chains.
     * **Divergences**: ``trace.diverging`` after the first ``trace.num_warmup`` iterations.
-    * **E-BFMI**: :func:`ebfmi` of ``trace.energy`` after warm-up, every chain (chains are
-      numbered from 0 in the failure text).
+    * **E-BFMI**: of ``trace.energy`` after warm-up, :func:`ebfmi_pooled` over the chains, or
+      :func:`ebfmi` of every chain with ``criteria.ebfmi="per-chain"`` (chains are numbered from 0
+      in the failure text).  Both values are recorded whichever is checked.
     * Fewer than :data:`MIN_DRAWS` draws per chain: R-hat and ESS are not computed and the
       certification fails.
 
@@ -582,6 +654,7 @@ def certify(posterior: Any, x: Any, criteria: CertificationCriteria | None = Non
     trace = getattr(posterior, "trace", None)
     divergences: int | None = None
     ebfmi_min: float | None = None
+    pooled: float | None = None
     if trace is None:
         failures.append("no sampler trace: divergences and energy not recorded")
     else:
@@ -594,10 +667,18 @@ def certify(posterior: Any, x: Any, criteria: CertificationCriteria | None = Non
         if energy is None:
             failures.append("energy not recorded: E-BFMI cannot be checked")
         else:
-            values = ebfmi(np.asarray(energy, dtype=float)[:, w:])
+            e = np.asarray(energy, dtype=float)[:, w:]
+            values = ebfmi(e)
             ebfmi_min = float(np.min(values)) if values.size else nan
+            pooled = ebfmi_pooled(e) if values.size else nan
             bad = np.flatnonzero(~(values >= criteria.min_ebfmi))
-            if bad.size:
+            if criteria.ebfmi == "pooled":
+                over = f"pooled over {c} chain{'s' if c != 1 else ''}"
+                if not math.isfinite(pooled):
+                    failures.append(f"E-BFMI not finite {over}")
+                elif pooled < criteria.min_ebfmi:
+                    failures.append(f"E-BFMI {_beyond(pooled, criteria.min_ebfmi, False)} < {criteria.min_ebfmi:g} {over}")
+            elif bad.size:
                 finite = values[bad][np.isfinite(values[bad])]
                 if finite.size:
                     shown = _beyond(float(finite.min()), criteria.min_ebfmi, False)
@@ -608,7 +689,7 @@ def certify(posterior: Any, x: Any, criteria: CertificationCriteria | None = Non
         passed=not failures, failures=tuple(failures), rhat_method=criteria.rhat, rhat_max=rhat_max,
         ess_bulk_min=ess_bulk_min, ess_tail_min=ess_tail_min, divergences=divergences, ebfmi_min=ebfmi_min,
         num_points=n, num_chains=c, num_draws=d, criteria=criteria, rhat_split_max=split_max,
-        rhat_nested_max=nested_max,
+        rhat_nested_max=nested_max, ebfmi_pooled=pooled,
     )
 
 
