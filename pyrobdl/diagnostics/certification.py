@@ -7,11 +7,11 @@ measured values, and one human-readable sentence per failed criterion.
 
 The criteria follow posteriordb's definition of a reference posterior (its
 ``doc/REFERENCE_POSTERIOR_DEFINITION.md``: R-hat below 1.01, no divergent transitions after
-warm-up, the E-BFMI threshold 0.2, and 10,000 nearly independent draws, which pyrobdl replaces by Vehtari et al.'s (2021) bulk and tail ESS of
-at least 400), carried to **function space**: R-hat and ESS are computed for the network output
-:math:`f(x_n)` at fixed inputs :math:`x_1 \dots x_N` (class probabilities for classification), not
-for the weights.  The weights of a neural network are not
-identifiable (hidden units can be permuted and their signs flipped without changing the
+warm-up, the E-BFMI threshold 0.2, and 10,000 nearly independent draws, which pyrobdl replaces by
+Vehtari et al.'s (2021) bulk and tail ESS of at least 400), carried to **function space**: R-hat
+and ESS are computed for the network output :math:`f(x_n)` at fixed inputs :math:`x_1 \dots x_N`
+(class probabilities for classification), not for the weights.  The weights of a neural network
+are not identifiable (hidden units can be permuted and their signs flipped without changing the
 function), so weight-space R-hat is large and weight-space ESS tiny even for a sampler whose
 predictions have converged (DESIGN.md, known traps); the predictions are what a reference is used
 for.  A function-space certificate does not prove that every mode of the posterior was visited:
@@ -298,7 +298,8 @@ class Certification:
             If a field is missing or unknown.
         """
         names = {f.name for f in dataclasses.fields(cls)}
-        optional = {"criteria", "rhat_split_max", "rhat_nested_max", "ebfmi_pooled"}  # older records lack the last three
+        # older records lack the last three
+        optional = {"criteria", "rhat_split_max", "rhat_nested_max", "ebfmi_pooled"}
         missing, unknown = sorted(names - set(data) - optional), sorted(set(data) - names)
         if missing or unknown:
             raise ValueError(f"not a certification record: missing {missing}, unknown {unknown}")
@@ -677,7 +678,8 @@ def certify(posterior: Any, x: Any, criteria: CertificationCriteria | None = Non
                 if not math.isfinite(pooled):
                     failures.append(f"E-BFMI not finite {over}")
                 elif pooled < criteria.min_ebfmi:
-                    failures.append(f"E-BFMI {_beyond(pooled, criteria.min_ebfmi, False)} < {criteria.min_ebfmi:g} {over}")
+                    shown = _beyond(pooled, criteria.min_ebfmi, False)
+                    failures.append(f"E-BFMI {shown} < {criteria.min_ebfmi:g} {over}")
             elif bad.size:
                 finite = values[bad][np.isfinite(values[bad])]
                 if finite.size:
