@@ -448,15 +448,20 @@ def ebfmi(energy: Any) -> np.ndarray:
     numpy.ndarray
         ``[chain]``; nan for a chain with fewer than two iterations or constant energy.
     """
+    num, den = _energy_sums(energy)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(den > 0, num / np.where(den > 0, den, 1.0), np.nan)
+
+
+def _energy_sums(energy: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Per chain of ``[chain, iteration]`` energies: the sum of squared successive differences
+    and the sum of squared deviations from the chain's mean (nan with fewer than two iterations)."""
     e = np.atleast_2d(np.asarray(energy, dtype=float))
     if e.ndim != 2:
         raise ValueError(f"energy must have shape [chain, iteration], got {np.shape(energy)}")
     if e.shape[1] < 2:
-        return np.full(e.shape[0], np.nan)
-    num = np.square(np.diff(e, axis=1)).sum(1)
-    den = np.square(e - e.mean(1, keepdims=True)).sum(1)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(den > 0, num / np.where(den > 0, den, 1.0), np.nan)
+        return np.full(e.shape[0], np.nan), np.full(e.shape[0], np.nan)
+    return np.square(np.diff(e, axis=1)).sum(1), np.square(e - e.mean(1, keepdims=True)).sum(1)
 
 
 def ebfmi_pooled(energy: Any) -> float:
@@ -479,21 +484,15 @@ def ebfmi_pooled(energy: Any) -> float:
     Parameters
     ----------
     energy : array-like
-        ``[chain, iteration]`` (or ``[iteration]`` for one chain), sampling iterations only.
+        As for :func:`ebfmi`: the sampling iterations' energies, one row per chain.
 
     Returns
     -------
     float
         nan with fewer than two iterations, a non-finite energy, or constant energies in every chain.
     """
-    e = np.atleast_2d(np.asarray(energy, dtype=float))
-    if e.ndim != 2:
-        raise ValueError(f"energy must have shape [chain, iteration], got {np.shape(energy)}")
-    if e.shape[1] < 2 or not np.isfinite(e).all():
-        return float("nan")
-    num = float(np.square(np.diff(e, axis=1)).sum())
-    den = float(np.square(e - e.mean(1, keepdims=True)).sum())
-    return num / den if den > 0 else float("nan")
+    num, den = (float(v.sum()) for v in _energy_sums(energy))  # nan from any non-finite energy
+    return num / den if math.isfinite(num) and math.isfinite(den) and den > 0 else float("nan")
 
 
 # ----------------------------------------------------------------------------- certify
