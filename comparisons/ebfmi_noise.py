@@ -52,6 +52,12 @@ def sampling_energy(path: str) -> tuple[np.ndarray, int]:
     return state["rows"]["energy"].double().numpy()[warm:int(state["next_iteration"])].T, warm
 
 
+def window_stats(a: np.ndarray, b: np.ndarray) -> str:
+    """Correlation of each chain's E-BFMI in two windows, the noise sd their differences imply, and
+    the spread between chains, as table cells."""
+    return f"{np.corrcoef(a, b)[0, 1]:.3f} | {np.std(a - b) / np.sqrt(2):.3f} | {np.std(a):.3f}"
+
+
 def windows(paths: list[str], n: int) -> None:
     """Per-chain E-BFMI over draws 1..n and n+1..2n of each checkpoint: do the two agree?"""
     print(f"| checkpoint | chains | median, window 1 / 2 | smallest, window 1 / 2 (chain) | correlation | noise sd | "
@@ -64,18 +70,15 @@ def windows(paths: list[str], n: int) -> None:
             print(f"| {path} | {e.shape[1]} draws per chain: fewer than 2 x {n}, skipped |")
             continue
         a, b = ebfmi(e[:, :n]), ebfmi(e[:, n:2 * n])
-        first.append(e[:, :n])
-        second.append(e[:, n:2 * n])
+        first.append(a)
+        second.append(b)
         print(f"| {path} | {e.shape[0]} | {np.median(a):.3f} / {np.median(b):.3f} | {a.min():.3f} ({a.argmin()}) / "
-              f"{b.min():.3f} ({b.argmin()}) | {np.corrcoef(a, b)[0, 1]:.2f} | {np.std(a - b) / np.sqrt(2):.3f} | "
-              f"{np.std(a):.3f} | {ebfmi_pooled(e[:, :n]):.3f} / {ebfmi_pooled(e[:, n:2 * n]):.3f} | "
+              f"{b.min():.3f} ({b.argmin()}) | {window_stats(a, b)} | "
+              f"{ebfmi_pooled(e[:, :n]):.3f} / {ebfmi_pooled(e[:, n:2 * n]):.3f} | "
               f"{int((a < 0.2).sum())} / {int((b < 0.2).sum())} |")
     if first:
-        e1, e2 = np.concatenate(first), np.concatenate(second)
-        a, b = ebfmi(e1), ebfmi(e2)
-        print(f"\nall {a.size} chains: correlation of the two windows {np.corrcoef(a, b)[0, 1]:.3f}, noise sd "
-              f"{np.std(a - b) / np.sqrt(2):.3f}, sd between chains {np.std(a):.3f}; below 0.2: {int((a < 0.2).sum())} / "
-              f"{int((b < 0.2).sum())}")
+        a, b = np.concatenate(first), np.concatenate(second)
+        print(f"| all | {a.size} | | | {window_stats(a, b)} | | {int((a < 0.2).sum())} / {int((b < 0.2).sum())} |")
 
 
 def main() -> None:
