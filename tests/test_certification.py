@@ -202,6 +202,29 @@ def test_chains_with_shifted_means_fail_on_rhat():
     assert str(cert).startswith("not certified: function-space R-hat")
 
 
+def test_rhat_is_printed_with_three_decimals_near_the_threshold():
+    """1.009 passes and 1.012 fails: with two decimals both read "1.01" (a failure printed
+    "1.02" for 1.016 hid how far over it was); failures, summaries and the report's key
+    diagnostics column show three."""
+    from pyrobdl.diagnostics.certification import _beyond
+    from pyrobdl.report.tables import diagnostics_tables, reference_rhat_max
+
+    assert _beyond(1.0123, 1.01, True, 3) == "1.012" and _beyond(1.016, 1.01, True, 3) == "1.016"
+    assert _beyond(1.01001, 1.01, True, 3) == "1.01001"  # never "1.010 > 1.01"
+    cert = certify(iid_posterior(shift=0.5), points())
+    failure = [f for f in cert.failures if "R-hat" in f][0]
+    assert re.fullmatch(r"function-space R-hat \d\.\d{3} > 1\.01 at \d+ of 50 points", failure), failure
+    good = certify(iid_posterior(), points())
+    assert re.search(r"function-space R-hat 1\.\d{3} ≤ 1\.01", good.summary()), good.summary()
+    records = [{"status": "ok", "method": m, "diagnostics": {"function_space": {"rhat_max": v}}}
+               for m, v in (("a", 1.009), ("b", 1.012))]
+    table = diagnostics_tables(records)[0]
+    assert table.columns[1].startswith("R-hat") and [row[1] for row in table.rows] == ["1.009", "1.012"]
+    reference = [{"status": "ok", "id": "r", "method": "nuts", "is_reference": True, "split": 0, "seed": 0,
+                  "certification": {"passed": True, "rhat_max": 1.0094}}]
+    assert reference_rhat_max(reference) == "1.009"
+
+
 def test_a_divergence_after_warmup_fails_one_during_warmup_does_not():
     post = iid_posterior()
     div = post.trace.diverging.copy()

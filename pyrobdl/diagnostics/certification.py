@@ -198,8 +198,8 @@ class Certification:
     passed : bool
         True exactly when ``failures`` is empty.
     failures : tuple of str
-        One sentence per failed criterion, e.g. ``"function-space R-hat 1.04 > 1.01 at 12 of 50
-        points"``, ``"7 divergences after warm-up"``, ``"energy not recorded: E-BFMI cannot be
+        One sentence per failed criterion, e.g. ``"function-space R-hat 1.040 > 1.01 at 12 of 50
+        points"`` (R-hat with at least three decimals), ``"7 divergences after warm-up"``, ``"energy not recorded: E-BFMI cannot be
         checked"``.
     rhat_method : {"split", "nested", "both"}
         The R-hat the criterion checked (``criteria.rhat``).
@@ -261,11 +261,11 @@ class Certification:
             return "not certified: " + "; ".join(self.failures)
         nested = f"nested R-hat (superchains of {self.criteria.superchain_size})"
         if self.rhat_method == "both":
-            rhat = (f"function-space split R-hat {_fmt(self.rhat_split_max, 3)} and {nested} "
-                    f"{_fmt(self.rhat_nested_max, 3)} ≤ {self.criteria.max_rhat:g}")
+            rhat = (f"function-space split R-hat {_fmt(self.rhat_split_max, RHAT_DECIMALS)} and {nested} "
+                    f"{_fmt(self.rhat_nested_max, RHAT_DECIMALS)} ≤ {self.criteria.max_rhat:g}")
         else:
             label = nested if self.rhat_method == "nested" else "R-hat"
-            rhat = f"function-space {label} {_fmt(self.rhat_max, 3)} ≤ {self.criteria.max_rhat:g}"
+            rhat = f"function-space {label} {_fmt(self.rhat_max, RHAT_DECIMALS)} ≤ {self.criteria.max_rhat:g}"
         parts = [rhat,
                  f"bulk ESS {_fmt(self.ess_bulk_min, 0)}", f"tail ESS {_fmt(self.ess_tail_min, 0)}",
                  f"{self.divergences} divergences", self._ebfmi_text()]
@@ -334,10 +334,17 @@ def _fmt(value: float | None, decimals: int) -> str:
     return f"{value:.{decimals}f}"
 
 
-def _beyond(value: float, limit: float, upper: bool) -> str:
-    """``value`` with the fewest decimals (from 2, or 0 for ESS-like numbers) that still show it
-    on the failing side of ``limit`` (so 1.0103 > 1.01 is not printed as "1.01 > 1.01")."""
-    start = 0 if abs(limit) >= 10 else 2
+#: Decimals an R-hat is printed with (at least): 3, so that a value near the 1.01 threshold shows
+#: on which side of it it lies (1.009 passes, 1.012 fails; with 2 both read "1.01").
+RHAT_DECIMALS = 3
+
+
+def _beyond(value: float, limit: float, upper: bool, start: int | None = None) -> str:
+    """``value`` with the fewest decimals (from ``start``; default 2, or 0 for ESS-like numbers)
+    that still show it on the failing side of ``limit`` (so 1.0103 > 1.01 is not printed as
+    "1.01 > 1.01")."""
+    if start is None:
+        start = 0 if abs(limit) >= 10 else 2
     for d in range(start, 7):
         text = f"{value:.{d}f}"
         if (float(text) > limit) if upper else (float(text) < limit):
@@ -521,7 +528,8 @@ def _check_rhat(rhat: np.ndarray, limit: float, label: str, n: int) -> list[str]
     finite = rhat[np.isfinite(rhat)]
     nonfinite = _points_failing(rhat, np.isfinite(rhat))
     if finite.size and finite.max() > limit:
-        text = f"{label} {_beyond(float(finite.max()), limit, True)} > {limit:g} at {bad} of {n} points"
+        shown = _beyond(float(finite.max()), limit, True, RHAT_DECIMALS)
+        text = f"{label} {shown} > {limit:g} at {bad} of {n} points"
         return [text + (f" (not finite at {nonfinite})" if nonfinite else "")]
     return [f"{label} not finite at {nonfinite} of {n} points"]
 
@@ -605,7 +613,7 @@ def certify(posterior: Any, x: Any, criteria: CertificationCriteria | None = Non
     --------
     >>> cert = certify(nuts_posterior, x_train[:50])
     >>> cert.passed, cert.failures
-    (False, ('function-space R-hat 1.39 > 1.01 at 48 of 50 points', 'bulk ESS 7 < 400 at 50 of 50 points'))
+    (False, ('function-space R-hat 1.390 > 1.01 at 48 of 50 points', 'bulk ESS 7 < 400 at 50 of 50 points'))
     """
     criteria = CertificationCriteria() if criteria is None else criteria
     if not isinstance(criteria, CertificationCriteria):

@@ -51,6 +51,7 @@ __all__ = [
     "published_rows",
     "published_table",
     "reference_certified",
+    "reference_rhat_max",
     "reference_metric_keys",
     "reference_methods",
     "reference_status",
@@ -244,8 +245,10 @@ def reference_status(records: Sequence[Mapping[str, Any]]) -> tuple[str, bool]:
     methods = reference_methods(records)
     name = f"The reference ({', '.join(methods)})" if methods else "The reference"
     if all(flags):
+        largest = reference_rhat_max(records)
         return (f"{name} is certified: {reference_rhat(records)}, bulk and tail ESS, divergences and E-BFMI "
-                "meet the reference-posterior criteria (docs/diagnostics.md, Certification)."), True
+                "meet the reference-posterior criteria (docs/diagnostics.md, Certification)"
+                + (f"; largest R-hat {largest}." if largest else ".")), True
     refs = _reference_cells(records)
     bad = [r for r in refs if not isinstance(r.get("certification"), Mapping)
            or not r["certification"].get("passed")]
@@ -529,6 +532,31 @@ def _diagnostic_rows(recs: Sequence[Mapping[str, Any]]) -> list[tuple[str, str, 
     return rows
 
 
+#: Decimals an R-hat is shown with (at least): near the 1.01 threshold, 1.009 (passes) and 1.012
+#: (fails) must not both read "1.01" (``pyrobdl.diagnostics.certification.RHAT_DECIMALS``).
+RHAT_DECIMALS = 3
+
+
+def _is_rhat(key: str) -> bool:
+    return "rhat" in key.rsplit(".", 1)[-1]
+
+
+def _rhat_column(stats: Sequence[tuple[float, float, int]]) -> list[str]:
+    """Cells of an R-hat column: :func:`fmt_column`'s, with at least :data:`RHAT_DECIMALS` decimals."""
+    d = decimals_for([m for m, _, _ in stats], [se for _, se, n in stats if n > 1])
+    d = RHAT_DECIMALS if d is None else max(d, RHAT_DECIMALS)
+    return ["—" if not _finite(m) else fmt_fixed(m, d) + (f" ± {fmt_fixed(se, d)}" if n > 1 and _finite(se) else "")
+            for m, se, n in stats]
+
+
+def reference_rhat_max(records: Sequence[Mapping[str, Any]]) -> str:
+    """The largest R-hat the reference cells' certifications checked, with :data:`RHAT_DECIMALS`
+    decimals (``"1.004"``); "" when none was recorded."""
+    values = [float(c["rhat_max"]) for c in (r.get("certification") for r in _reference_cells(records))
+              if isinstance(c, Mapping) and _finite(c.get("rhat_max"))]
+    return f"{max(values):.{RHAT_DECIMALS}f}" if values else ""
+
+
 def diagnostics_tables(records: Sequence[Mapping[str, Any]]) -> list[Table]:
     """Method diagnostics: the key ones (:data:`KEY_DIAGNOSTICS`: function-space R-hat and ESS,
     divergences, tree-depth and step-cap saturation, E-BFMI, Pareto k̂) as methods x columns,
@@ -556,7 +584,7 @@ def diagnostics_tables(records: Sequence[Mapping[str, Any]]) -> list[Table]:
                 if flat:
                     vals.append(max(flat) if key in worst else float(np.mean(flat)))
             stats.append(mean_se(vals))
-        columns.append(fmt_column(stats))  # one number format per column
+        columns.append(fmt_column(stats) if not _is_rhat(key) else _rhat_column(stats))  # one format per column
     key_rows = [(label, *cells) for label, *cells in zip(groups, *columns) if any(c != "—" for c in cells)]
     other_rows = [(label, *row) for label, recs in groups.items() for row in _diagnostic_rows(recs)]
     tables = []

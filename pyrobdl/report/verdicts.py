@@ -32,6 +32,7 @@ from .tables import (
     reference_methods,
     reference_metric_keys,
     reference_rhat,
+    reference_rhat_max,
     reference_status,
 )
 
@@ -155,8 +156,10 @@ def verdict(records: Sequence[Mapping[str, Any]]) -> tuple[str, ...]:
     status, certified = reference_status(records)
     if refs:
         if certified:
+            largest = reference_rhat_max(records)
             lines.append(f"Reference posterior: {', '.join(refs)}, certified ({reference_rhat(records)}, ESS, "
-                         "divergences and E-BFMI meet the reference criteria).")
+                         "divergences and E-BFMI meet the reference criteria"
+                         + (f"; largest R-hat {largest}" if largest else "") + ").")
         else:
             why = status.split("is NOT certified: ", 1)[-1].split("; agreement numbers below", 1)[0]
             lines.append(f"Reference posterior: {', '.join(refs)}, NOT certified ({why}): every agreement number "
