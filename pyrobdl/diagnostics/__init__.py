@@ -6,10 +6,12 @@ from .certification import Certification, CertificationCriteria, certify
 from .evaluate import evaluate, fit_diagnostics, vi_pareto_k
 from .gradient_variance import gradient_variance
 from .rank_diagnostics import convergence
+from .resolution import Resolution, reference_resolution
 
 __all__ = [
     "Certification",
     "CertificationCriteria",
+    "Resolution",
     "certify",
     "convergence",
     "evaluate",
@@ -17,5 +19,6 @@ __all__ = [
     "gradient_variance",
     "metrics",
     "plots",
+    "reference_resolution",
     "vi_pareto_k",
 ]

@@ -21,8 +21,17 @@ import torch
 from .._validation import as_tensor, check_data, check_inputs
 from ..posterior import Posterior, Prediction
 from . import metrics
+from .agreement import (
+    _noise_variance,
+    _np,
+    _require_task,
+    _target_scale,
+    reference_certification,
+    reference_scores,
+    resolve_reference,
+)
 from .arviz_adapter import pareto_k, pointwise_log_likelihood, psis_loo
-from .certification import Certification
+from .resolution import check_resolution, resolution_scores
 
 __all__ = [
     "classification_scores",
@@ -64,40 +73,6 @@ def _check_targets(model: Any, y: Any, num_points: int, name: str) -> torch.Tens
         return check_data(model, dummy_x, yt)[1]
     except ValueError as e:
         raise ValueError(f"{name}: {e}") from e
-
-
-def _scale(name: str, value: Any, out_features: int) -> np.ndarray:
-    arr = np.asarray(value, dtype=np.float64)
-    if arr.ndim > 1 or arr.size not in (1, out_features) or not np.isfinite(arr).all():
-        raise ValueError(f"{name} must be a finite number or {out_features} numbers (one per output), got {value!r}")
-    return np.broadcast_to(arr.reshape(-1), (out_features,)).copy()
-
-
-def _target_scale(y_mean: Any, y_std: Any, out_features: int) -> tuple[np.ndarray, np.ndarray]:
-    mean, std = _scale("y_mean", y_mean, out_features), _scale("y_std", y_std, out_features)
-    if (std <= 0).any():
-        raise ValueError(f"y_std must be > 0, got {y_std!r}")
-    return mean, std
-
-
-def _task(prediction: Prediction) -> str:
-    return prediction._likelihood.task
-
-
-def _require_task(prediction: Any, task: str, caller: str) -> None:
-    if not isinstance(prediction, Prediction):
-        raise TypeError(f"{caller} needs a pyrobdl Prediction (posterior.predict(x)), got {type(prediction).__name__}")
-    if _task(prediction) != task:
-        raise ValueError(f"{caller} needs a {task} prediction, but this one is from a {_task(prediction)} model")
-
-
-def _np(t: torch.Tensor) -> np.ndarray:
-    return t.detach().double().cpu().numpy()
-
-
-def _noise_variance(p: Prediction) -> np.ndarray:
-    """Observation-noise variance of every draw at every point, ``[S, N, out]``."""
-    return _np(p._likelihood.noise_variance(p._latents, p.samples).expand_as(p.samples))
 
 
 # ----------------------------------------------------------------------------- scores
@@ -201,112 +176,13 @@ def classification_scores(prediction: Prediction, y: Any) -> dict[str, float]:
     }
 
 
-def reference_scores(
-    prediction: Prediction, reference: Prediction, *, y_mean: Any = 0.0, y_std: Any = 1.0, seed: int = 0
-) -> dict[str, float]:
-    r"""Agreement of a predictive with a reference predictive at the same inputs.
-
-    Classification: ``agreement`` and ``total_variation`` (Izmailov et al. 2021).  Regression
-    (original scale): ``w2_to_reference`` (mean over points and outputs of the Wasserstein-2
-    distance between the two predictive distributions of :math:`y`, from draws),
-    ``w2_function_to_reference`` (the same for the noise-free function :math:`f`), and
-    ``kl_gaussian_to_reference``, the mean of
-    :math:`\mathrm{KL}(\mathcal N(m_{\text{ref}}, v_{\text{ref}})\,\|\,\mathcal N(m, v))` between
-    moment-matched Gaussians.
-
-    Raises
-    ------
-    ValueError
-        If the two predictions differ in task, number of points or outputs.
-    """
-    for name, p in (("prediction", prediction), ("reference", reference)):
-        if not isinstance(p, Prediction):
-            raise TypeError(f"{name} must be a pyrobdl Prediction, got {type(p).__name__}")
-    if _task(prediction) != _task(reference):
-        raise ValueError(f"reference is a {_task(reference)} predictive but the posterior is {_task(prediction)}")
-    shape, ref_shape = tuple(prediction.samples.shape[1:]), tuple(reference.samples.shape[1:])
-    if shape != ref_shape:
-        raise ValueError(
-            f"reference has predictions of shape [N, out] = {list(ref_shape)} but the posterior's are {list(shape)}: "
-            "the reference must be computed at the same test inputs"
-        )
-    if _task(prediction) == "classification":
-        return {
-            "agreement": metrics.agreement(_np(prediction.mean), _np(reference.mean)),
-            "total_variation": metrics.total_variation(_np(prediction.mean), _np(reference.mean)),
-        }
-    mean, std = _target_scale(y_mean, y_std, shape[-1])
-    rng = np.random.default_rng(seed)
-
-    def draws(p: Prediction) -> tuple[np.ndarray, np.ndarray]:
-        f = _np(p.samples)
-        sd = np.sqrt(_noise_variance(p))
-        f_o = f * std + mean
-        return f_o.reshape(f.shape[0], -1), (f_o + sd * std * rng.standard_normal(f.shape)).reshape(f.shape[0], -1)
-
-    (f_a, y_a), (f_b, y_b) = draws(prediction), draws(reference)
-    kl = metrics.gaussian_kl(
-        _np(reference.mean) * std + mean, _np(reference.variance) * std**2,
-        _np(prediction.mean) * std + mean, _np(prediction.variance) * std**2,
-    )
-    return {
-        "w2_to_reference": float(metrics.wasserstein2_empirical(y_a, y_b).mean()),
-        "w2_function_to_reference": float(metrics.wasserstein2_empirical(f_a, f_b).mean()),
-        "kl_gaussian_to_reference": float(kl.mean()),
-    }
-
-
-def _resolve_reference(reference: Any, model: Any, x: torch.Tensor) -> Posterior | Prediction | None:
-    """Validate ``reference`` before any work; return a Posterior or a Prediction."""
-    if reference is None:
-        return None
-    if hasattr(reference, "x_eval") and callable(getattr(reference, "prediction", None)):
-        # a stored reference (pyrobdl.inference.reference.Reference): its inputs are known
-        reference = (reference.x_eval, reference.prediction())
-    if isinstance(reference, tuple):
-        if len(reference) != 2 or not isinstance(reference[1], Prediction):
-            raise TypeError("a tuple reference must be (x_reference, Prediction)")
-        x_ref = check_inputs(model, reference[0], "reference x")
-        if x_ref.shape != x.shape or not torch.allclose(x_ref.to(x), x):
-            raise ValueError("reference was computed at different test points than x_test")
-        reference = reference[1]
-    if isinstance(reference, Posterior):
-        rm = reference.model
-        if rm.likelihood.task != model.likelihood.task or rm.out_features != model.out_features:
-            raise ValueError(
-                f"reference posterior is a {rm.likelihood.task} model with {rm.out_features} outputs; the posterior "
-                f"is a {model.likelihood.task} model with {model.out_features}"
-            )
-        check_inputs(rm, x, "x_test (for the reference model)")
-        return reference
-    if isinstance(reference, Prediction):
-        n, out = reference.samples.shape[-2:]
-        if n != x.shape[0]:
-            raise ValueError(
-                f"reference prediction has {n} test points but x_test has {x.shape[0]}: it must be computed at x_test"
-            )
-        if reference._likelihood.task != model.likelihood.task or out != model.out_features:
-            raise ValueError("reference prediction is for a different task or number of outputs than the posterior")
-        return reference
-    raise TypeError(
-        "reference must be a Posterior, a Prediction, (x, Prediction) or a stored Reference, "
-        f"got {type(reference).__name__}"
-    )
-
-
-def _reference_certification(reference: Any) -> Certification | None:
-    """The certification a reference carries (a stored Reference, an MCMCPosterior, a
-    StoredPosterior of the suite), or None when it carries none."""
-    cert = getattr(reference, "certification", None)
-    return cert if isinstance(cert, Certification) else None
-
-
 def evaluate(
     posterior: Posterior,
     x_test: Any,
     y_test: Any,
     *,
     reference: Any = None,
+    resolution: Any = None,
     num_samples: int = 500,
     seed: int = 0,
     y_mean: Any = 0.0,
@@ -329,6 +205,11 @@ def evaluate(
         ``prediction()`` (:func:`pyrobdl.inference.reference.load_reference`), to have the
         inputs compared too.  A reference that carries a certification (a stored reference,
         an MCMC posterior, the suite's stored reference draws) adds ``reference_certified``.
+    resolution : Resolution, optional
+        The reference's resolution (:func:`pyrobdl.diagnostics.reference_resolution` of two
+        independent runs, computed at ``x_test`` with the same ``num_samples``, ``y_mean`` and
+        ``y_std``); needs ``reference``.  Adds every agreement key's resolution and the method's
+        distance in units of it, and ``reference_resolved``.
     num_samples : int, default 500
         Posterior draws for the predictive (and for a reference Posterior).
     seed : int, default 0
@@ -349,13 +230,17 @@ def evaluate(
         ``predictive_entropy``, ``expected_entropy``, ``mutual_information``; with a reference
         ``agreement``, ``total_variation``.
         Both tasks, with a reference that carries a certification: ``reference_certified``
-        (1.0 when it passed, 0.0 when not).
+        (1.0 when it passed, 0.0 when not).  With a resolution, per agreement key ``k``:
+        ``k_resolution`` (the two reference runs' own value) and ``k_in_resolutions`` (the
+        method's distance over the runs' distance; for ``agreement`` the distance is one minus
+        it), and ``reference_resolved`` (1.0 when the method is farther from the reference than
+        the resolution on ``w2_function_to_reference`` / ``total_variation``, 0.0 when not).
 
     Warns
     -----
     UserWarning
         "agreement with an uncertified reference means nothing: ..." when the reference's
-        certification failed (the failures follow).
+        certification failed (the failures follow) and no resolution is given.
 
     Raises
     ------
@@ -363,7 +248,8 @@ def evaluate(
         If ``posterior`` or ``reference`` has the wrong type.
     ValueError
         Shapes that do not fit the model, a reference at different test points or for another
-        task, ``y_std <= 0``, or ``y_mean``/``y_std`` given for a classification model; all
+        task, ``y_std <= 0``, ``y_mean``/``y_std`` given for a classification model, a
+        resolution without a reference or computed at other inputs, draws or target scale; all
         raised before any prediction.
 
     Examples
@@ -383,9 +269,12 @@ def evaluate(
         _target_scale(y_mean, y_std, model.out_features)
     elif not (np.all(np.asarray(y_mean) == 0.0) and np.all(np.asarray(y_std) == 1.0)):
         raise ValueError("y_mean/y_std standardise regression targets; this posterior is a classification model")
-    certification = _reference_certification(reference)
-    ref = _resolve_reference(reference, model, x)
-    if certification is not None and not certification.passed:
+    certification = reference_certification(reference)
+    ref = resolve_reference(reference, model, x)
+    res = check_resolution(resolution, x, task, num_samples, y_mean, y_std, model.out_features)
+    if res is not None and ref is None:
+        raise ValueError("resolution is the precision of a reference: give the reference too (reference=...)")
+    if certification is not None and not certification.passed and res is None:
         warnings.warn(
             f"agreement with an uncertified reference means nothing: the reference is {certification.summary()}",
             UserWarning, stacklevel=2,
@@ -401,6 +290,8 @@ def evaluate(
         scores.update(reference_scores(prediction, ref_pred, y_mean=y_mean, y_std=y_std, seed=seed))
         if certification is not None:
             scores["reference_certified"] = float(certification.passed)
+        if res is not None:
+            scores.update(resolution_scores(scores, res))
     return scores
 
 
