@@ -27,6 +27,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "methods": ("pyrobdl.inference", "methods"),
     "poutine": ("pyrobdl.poutine", None),
     "priors": ("pyrobdl.priors", None),
+    "references": ("pyrobdl.references", None),
 }
 
 __all__ = sorted([*_LAZY, "__version__"])
