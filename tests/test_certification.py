@@ -87,6 +87,9 @@ def test_default_criteria_are_posteriordbs():
         ({"rhat": "folded"}, "rhat"),
         ({"superchain_size": 0}, "superchain_size"),
         ({"superchain_size": True}, "superchain_size"),
+        ({"ebfmi_outlier_alpha": 2}, "ebfmi_outlier_alpha"),
+        ({"ebfmi_outlier_alpha": 0}, "ebfmi_outlier_alpha"),
+        ({"ebfmi_outlier_alpha": "0.01"}, "ebfmi_outlier_alpha"),
     ],
 )
 def test_invalid_criteria_name_the_field(kwargs, field):
@@ -262,13 +265,15 @@ def test_energy_missing_or_low_ebfmi_fails():
     energy = np.random.default_rng(3).normal(size=post.trace.log_joint.shape)
     energy[2] = np.cumsum(energy[2])  # a random walk: E-BFMI near 0, and a large energy variance
     with_energy(post, energy)
+    # (the outlier test names the chain as well: a second failure, whichever reading)
+    outlier = r"E-BFMI 0\.0\d+ in chain 2, \d+\.\d noise sd below the chains' median .*"
     per_chain = certify(post, points(), CertificationCriteria(ebfmi="per-chain"))
-    assert len(per_chain.failures) == 1
+    assert len(per_chain.failures) == 2 and re.fullmatch(outlier, per_chain.failures[1]), per_chain.failures
     assert re.fullmatch(r"E-BFMI 0\.\d+ < 0\.2 in chain 2", per_chain.failures[0]), per_chain.failures
     assert per_chain.ebfmi_min < 0.2
     # one wandering chain of four pulls the pooled estimate below 0.2 too (its variance dominates)
     cert = certify(post, points())
-    assert len(cert.failures) == 1
+    assert len(cert.failures) == 2 and re.fullmatch(outlier, cert.failures[1]), cert.failures
     assert re.fullmatch(r"E-BFMI 0\.\d+ < 0\.2 pooled over 4 chains", cert.failures[0]), cert.failures
     assert cert.ebfmi_pooled < 0.2 and cert.ebfmi_min == per_chain.ebfmi_min
     with_energy(post, np.full(energy.shape, 1.0))
@@ -316,6 +321,78 @@ def test_many_short_chains_fail_per_chain_ebfmi_on_noise_and_pass_pooled():
     low = certify(post, points(5), loose)
     assert not low.passed and abs(low.ebfmi_pooled - 0.14 * 1.09) < 0.01
     assert re.fullmatch(r"E-BFMI 0\.1\d* < 0\.2 pooled over 512 chains", low.failures[0]), low.failures
+
+
+def unit_ar1(chains: int, draws: int, value: float, seed: int) -> np.ndarray:
+    """AR(1) energies of unit marginal variance whose E-BFMI is ``value`` (rho = 1 - value / 2),
+    ``[chains, WARMUP + draws]``."""
+    rho = 1.0 - value / 2.0
+    return ar1_energy(chains, draws, rho, seed) * math.sqrt(1.0 - rho * rho)
+
+
+E_ONLY = CertificationCriteria(min_ess_bulk=0, min_ess_tail=0, max_rhat=2.0)  # E-BFMI alone
+
+
+@pytest.mark.parametrize("case", ["one chain at 0.05", "four chains at 0.08", "a random-walk chain"])
+def test_an_outlying_chains_ebfmi_fails_though_the_pooled_value_passes(case):
+    """63 chains at E-BFMI 0.5 over 500 draws and one (or four) at 0.05-0.08, or one whose energy
+    is a random walk: the pooled value stays ~0.5 (~0.35-0.45 with the random walk), far above
+    0.2, so only the outlier test catches them (each ~6-7 noise sd below the median against a
+    threshold of 3.60 at K = 64, docs/diagnostics.md)."""
+    energy = unit_ar1(64, 500, 0.5, seed=1)
+    bad = {"one chain at 0.05": [5], "four chains at 0.08": [3, 17, 40, 51], "a random-walk chain": [9]}[case]
+    if case == "a random-walk chain":
+        energy[9] = 0.5 * np.cumsum(np.random.default_rng(3).normal(size=energy.shape[1]))
+    else:
+        energy[bad] = unit_ar1(len(bad), 500, 0.05 if len(bad) == 1 else 0.08, seed=2)
+    post = with_energy(iid_posterior(chains=64, draws=500), energy)
+    cert = certify(post, points(5), E_ONLY)
+    assert cert.ebfmi_pooled > 0.3  # what let them through before
+    assert not cert.passed and len(cert.failures) == 1, cert.failures
+    listed = ", ".join(map(str, bad))
+    assert re.fullmatch(rf"E-BFMI [0-9., ]+ in chains? {listed}, [0-9.-]+ noise sd below the chains' median 0\.5\d\d "
+                        r"\(noise sd 0\.0\d\d over 500 draws; more than 3\.60 sd is an outlier among 64 chains "
+                        r"at alpha 0\.01\)", cert.failures[0]), cert.failures
+    out = cert.ebfmi_outliers
+    assert out["chains"] == bad and out["num_chains"] == 64 and out["z"] == pytest.approx(3.60, abs=0.01)
+    assert min((out["centre"] - v) / out["noise_sd"] for v in out["values"]) > 5  # far beyond the threshold
+    assert certify(post, points(5), dataclasses.replace(E_ONLY, ebfmi_outlier_alpha=None)).passed  # the hole
+
+
+def test_well_mixed_chains_pass_the_outlier_test_and_the_noise_model_is_reproducible():
+    """512 chains of 300 draws sharing E-BFMI 0.35 (the wine references' shape): the smallest
+    chain lies ~2-3 noise sd below the median, inside the threshold z = 4.11.  Over 40 such
+    suites of 64 chains x 500 draws at 0.5 the test flags a chain in at most a few (alpha = 0.01:
+    expected 0.4; P(>= 4 | p = 0.01) < 1e-3)."""
+    from pyrobdl.diagnostics.energy import ebfmi_noise_sd, ebfmi_outliers
+
+    post = with_energy(iid_posterior(chains=512, draws=300), unit_ar1(512, 300, 0.35, seed=5))
+    cert = certify(post, points(5), E_ONLY)
+    assert cert.passed, cert.failures
+    out = cert.ebfmi_outliers
+    assert out["chains"] == [] and out["z"] == pytest.approx(4.11, abs=0.01)
+    assert 1.5 < (out["centre"] - cert.ebfmi_min) / out["noise_sd"] < out["z"]
+    assert "none over 4.1 noise sd below the median" in cert.summary()
+    flagged = sum(bool(ebfmi_outliers(unit_ar1(64, 500, 0.5, seed=100 + i)[:, WARMUP:]).chains) for i in range(40))
+    assert flagged < 4
+    # the AR(1) noise model: deterministic, and equal to an independent simulation within its
+    # Monte Carlo error (2000 and 4000 replicates: relative sd of the ratio ~2%; 4 sd allowed)
+    assert ebfmi_noise_sd(300, 0.4) == ebfmi_noise_sd(300, 0.4)
+    independent = np.std(ebfmi(unit_ar1(4000, 300, 0.4, seed=9)[:, WARMUP:]), ddof=1)
+    assert ebfmi_noise_sd(300, 0.4) == pytest.approx(independent, rel=0.08)
+    with pytest.raises(ValueError, match="num_draws"):
+        ebfmi_noise_sd(1, 0.4)
+
+
+def test_a_certification_recorded_before_the_outlier_test_reads_back_as_not_having_checked_it():
+    record = certify(iid_posterior(), points()).to_dict()
+    assert record["criteria"]["ebfmi_outlier_alpha"] == 0.01 and record["ebfmi_outliers"]["chains"] == []
+    old = {k: v for k, v in record.items() if k != "ebfmi_outliers"}
+    old["criteria"] = {k: v for k, v in record["criteria"].items() if k != "ebfmi_outlier_alpha"}
+    back = Certification.from_dict(old)
+    assert back.criteria.ebfmi_outlier_alpha is None and back.ebfmi_outliers is None and back.passed
+    assert "noise sd" not in back.summary()
+    assert Certification.from_dict(json.loads(json.dumps(record))).to_dict() == record
 
 
 def test_a_certification_recorded_before_pooled_ebfmi_reads_back_as_per_chain():

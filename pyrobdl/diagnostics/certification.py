@@ -61,6 +61,7 @@ import numpy as np
 import torch
 
 from .._validation import check_inputs
+from .energy import EBFMIOutliers, ebfmi, ebfmi_noise_sd, ebfmi_outliers, ebfmi_pooled
 from .rank_diagnostics import convergence
 
 __all__ = [
@@ -74,6 +75,8 @@ __all__ = [
     "certify",
     "check_certify_inputs",
     "ebfmi",
+    "ebfmi_noise_sd",
+    "ebfmi_outliers",
     "ebfmi_pooled",
     "nested_rhat",
 ]
@@ -146,6 +149,12 @@ class CertificationCriteria:
     superchain_size : int or None, default None
         Chains per superchain (``rhat="nested"`` or ``"both"`` only); None: the superchains
         the chains were started in (the trace's ``superchain_size``).
+    ebfmi_outlier_alpha : float in (0, 1) or None, default 0.01
+        Fail a chain whose E-BFMI lies further below the pooled value than the smallest of the
+        chains' sampling noise explains (:func:`~pyrobdl.diagnostics.energy.ebfmi_outliers`,
+        Bonferroni over the chains at this level): one chain with a pathological energy barely
+        moves the pooled value.  None: not checked.  Records written before this option existed
+        read back as None, what they checked.
 
     Raises
     ------
@@ -161,6 +170,7 @@ class CertificationCriteria:
     rhat: str = "split"
     superchain_size: int | None = None
     ebfmi: str = "pooled"
+    ebfmi_outlier_alpha: float | None = 0.01
 
     def __post_init__(self) -> None:
         owner = "CertificationCriteria"
@@ -175,6 +185,11 @@ class CertificationCriteria:
             raise ValueError(f"{owner}.ebfmi must be one of {list(EBFMI_METHODS)}, got {self.ebfmi!r}")
         if self.superchain_size is not None:
             _integer(owner, "superchain_size", self.superchain_size, 1)
+        alpha = self.ebfmi_outlier_alpha
+        if alpha is not None:
+            _number(owner, "ebfmi_outlier_alpha", alpha, low=0.0, strict=True)
+            if alpha >= 1:
+                raise ValueError(f"{owner}.ebfmi_outlier_alpha must be in (0, 1) or None, got {alpha!r}")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (JSON-serialisable)."""
@@ -226,6 +241,12 @@ class Certification:
         The largest split and nested R-hat separately: split R-hat is recorded whatever the
         criterion (it costs nothing more), nested R-hat when the criterion checks it (None
         otherwise); nan when one could not be computed.
+    ebfmi_outliers : dict or None
+        What the outlying-chain E-BFMI test measured (:meth:`EBFMIOutliers.to_dict
+        <pyrobdl.diagnostics.energy.EBFMIOutliers.to_dict>`: the flagged ``chains`` and their
+        ``values``, the pooled ``centre``, the ``noise_sd`` used and its two sources, the
+        threshold ``z``); None when it was not checked (``ebfmi_outlier_alpha=None``, no energy,
+        fewer than two chains, or a record written before the test existed).
     """
 
     passed: bool
@@ -243,6 +264,7 @@ class Certification:
     rhat_split_max: float | None = None
     rhat_nested_max: float | None = None
     ebfmi_pooled: float | None = None
+    ebfmi_outliers: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "failures", tuple(str(f) for f in self.failures))
@@ -273,8 +295,10 @@ class Certification:
                 f"at {self.num_points} points)")
 
     def _ebfmi_text(self) -> str:
+        out = self.ebfmi_outliers
+        within = f", none over {out['z']:.1f} noise sd below the median" if out else ""
         if self.criteria.ebfmi == "pooled" and self.ebfmi_pooled is not None:
-            return f"E-BFMI {_fmt(self.ebfmi_pooled, 2)} pooled (smallest chain {_fmt(self.ebfmi_min, 2)})"
+            return f"E-BFMI {_fmt(self.ebfmi_pooled, 2)} pooled (smallest chain {_fmt(self.ebfmi_min, 2)}{within})"
         return f"E-BFMI {_fmt(self.ebfmi_min, 2)}"
 
     def __str__(self) -> str:
@@ -298,8 +322,8 @@ class Certification:
             If a field is missing or unknown.
         """
         names = {f.name for f in dataclasses.fields(cls)}
-        # older records lack the last three
-        optional = {"criteria", "rhat_split_max", "rhat_nested_max", "ebfmi_pooled"}
+        # older records lack the last ones
+        optional = {"criteria", "rhat_split_max", "rhat_nested_max", "ebfmi_pooled", "ebfmi_outliers"}
         missing, unknown = sorted(names - set(data) - optional), sorted(set(data) - names)
         if missing or unknown:
             raise ValueError(f"not a certification record: missing {missing}, unknown {unknown}")
@@ -322,6 +346,10 @@ class Certification:
         criteria = dict(d.get("criteria") or {})
         # a record from before the option checked E-BFMI in every chain
         criteria.setdefault("ebfmi", "per-chain")
+        # ... and no outlying-chain E-BFMI test
+        criteria.setdefault("ebfmi_outlier_alpha", None)
+        if d.get("ebfmi_outliers") is not None:
+            d["ebfmi_outliers"] = dict(d["ebfmi_outliers"])
         d["criteria"] = CertificationCriteria.from_dict(criteria)
         return cls(**d)
 
@@ -430,76 +458,6 @@ def nested_rhat(draws: Any, superchain_size: int) -> np.ndarray:
     w_nu = (b_k + w_k).mean(0)
     r = torch.sqrt(1.0 + b_nu / w_nu)  # 0/0 -> nan, b/0 -> inf, as documented
     return r.reshape(arr.shape[2:]).cpu().numpy()
-
-
-def ebfmi(energy: Any) -> np.ndarray:
-    r"""Energy Bayesian fraction of missing information of each chain (Betancourt 2016).
-
-    .. math::
-
-        \widehat{\text{E-BFMI}} = \frac{\sum_{n=2}^{N} (E_n - E_{n-1})^2}{\sum_{n=1}^{N} (E_n - \bar E)^2}
-
-    over the sampling iterations of one chain, :math:`E_n` the Hamiltonian of iteration
-    :math:`n`: how far one momentum resampling moves the energy, relative to the spread of its
-    marginal distribution (equal to ArviZ's ``az.bfmi``).  About 1 or more for a sampler that
-    explores the energy levels well; below 0.2-0.3 the momentum resampling moves slowly through
-    them (heavy tails, a badly adapted metric) and estimates may be biased.
-
-    Parameters
-    ----------
-    energy : array-like
-        ``[chain, iteration]`` (or ``[iteration]`` for one chain), sampling iterations only.
-
-    Returns
-    -------
-    numpy.ndarray
-        ``[chain]``; nan for a chain with fewer than two iterations or constant energy.
-    """
-    num, den = _energy_sums(energy)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(den > 0, num / np.where(den > 0, den, 1.0), np.nan)
-
-
-def _energy_sums(energy: Any) -> tuple[np.ndarray, np.ndarray]:
-    """Per chain of ``[chain, iteration]`` energies: the sum of squared successive differences
-    and the sum of squared deviations from the chain's mean (nan with fewer than two iterations)."""
-    e = np.atleast_2d(np.asarray(energy, dtype=float))
-    if e.ndim != 2:
-        raise ValueError(f"energy must have shape [chain, iteration], got {np.shape(energy)}")
-    if e.shape[1] < 2:
-        return np.full(e.shape[0], np.nan), np.full(e.shape[0], np.nan)
-    return np.square(np.diff(e, axis=1)).sum(1), np.square(e - e.mean(1, keepdims=True)).sum(1)
-
-
-def ebfmi_pooled(energy: Any) -> float:
-    r"""E-BFMI pooled over the chains: every chain's squared successive differences of the energy
-    over every chain's squared deviations from its own mean.
-
-    .. math::
-
-        \widehat{\text{E-BFMI}}_{\text{pooled}} = \frac{\sum_k \sum_{n=2}^{N} (E_{kn} - E_{k,n-1})^2}
-        {\sum_k \sum_{n=1}^{N} (E_{kn} - \bar E_k)^2}
-
-    The quantity :func:`ebfmi` estimates from one chain — how far a momentum resampling moves the
-    energy relative to the spread of its marginal distribution, a property of the target and the
-    kinetic energy, the same for every chain that samples it — estimated from all of them.  It is
-    the chains' E-BFMIs averaged with weights proportional to their energy variances, so a chain
-    that wanders in energy (a random walk, E-BFMI near 0, with a large variance) pulls it down
-    much more than its share; each chain's own mean is used, so chains at different energy
-    levels do not inflate the denominator (R-hat is the check for chains that disagree).
-
-    Parameters
-    ----------
-    energy : array-like
-        As for :func:`ebfmi`: the sampling iterations' energies, one row per chain.
-
-    Returns
-    -------
-    float
-        nan with fewer than two iterations, a non-finite energy, or constant energies in every chain.
-    """
-    num, den = (float(v.sum()) for v in _energy_sums(energy))  # nan from any non-finite energy
-    return num / den if math.isfinite(num) and math.isfinite(den) and den > 0 else float("nan")
 
 
 # ----------------------------------------------------------------------------- certify
@@ -661,8 +619,7 @@ def certify(posterior: Any, x: Any, criteria: CertificationCriteria | None = Non
 
     trace = getattr(posterior, "trace", None)
     divergences: int | None = None
-    ebfmi_min: float | None = None
-    pooled: float | None = None
+    energy_checks: dict[str, Any] = {}
     if trace is None:
         failures.append("no sampler trace: divergences and energy not recorded")
     else:
@@ -675,31 +632,58 @@ def certify(posterior: Any, x: Any, criteria: CertificationCriteria | None = Non
         if energy is None:
             failures.append("energy not recorded: E-BFMI cannot be checked")
         else:
-            e = np.asarray(energy, dtype=float)[:, w:]
-            values = ebfmi(e)
-            ebfmi_min = float(np.min(values)) if values.size else nan
-            pooled = ebfmi_pooled(e) if values.size else nan
-            bad = np.flatnonzero(~(values >= criteria.min_ebfmi))
-            if criteria.ebfmi == "pooled":
-                over = f"pooled over {c} chain{'s' if c != 1 else ''}"
-                if not math.isfinite(pooled):
-                    failures.append(f"E-BFMI not finite {over}")
-                elif pooled < criteria.min_ebfmi:
-                    shown = _beyond(pooled, criteria.min_ebfmi, False)
-                    failures.append(f"E-BFMI {shown} < {criteria.min_ebfmi:g} {over}")
-            elif bad.size:
-                finite = values[bad][np.isfinite(values[bad])]
-                if finite.size:
-                    shown = _beyond(float(finite.min()), criteria.min_ebfmi, False)
-                    failures.append(f"E-BFMI {shown} < {criteria.min_ebfmi:g} in {_chain_list(bad)}")
-                else:
-                    failures.append(f"E-BFMI not finite in {_chain_list(bad)}")
+            energy_checks = _check_energy(np.asarray(energy, dtype=float)[:, w:], criteria, failures)
     return Certification(
         passed=not failures, failures=tuple(failures), rhat_method=criteria.rhat, rhat_max=rhat_max,
-        ess_bulk_min=ess_bulk_min, ess_tail_min=ess_tail_min, divergences=divergences, ebfmi_min=ebfmi_min,
-        num_points=n, num_chains=c, num_draws=d, criteria=criteria, rhat_split_max=split_max,
-        rhat_nested_max=nested_max, ebfmi_pooled=pooled,
+        ess_bulk_min=ess_bulk_min, ess_tail_min=ess_tail_min, divergences=divergences,
+        ebfmi_min=energy_checks.get("ebfmi_min"), num_points=n, num_chains=c, num_draws=d, criteria=criteria,
+        rhat_split_max=split_max, rhat_nested_max=nested_max, ebfmi_pooled=energy_checks.get("ebfmi_pooled"),
+        ebfmi_outliers=energy_checks.get("ebfmi_outliers"),
     )
+
+
+def _check_energy(e: np.ndarray, criteria: CertificationCriteria, failures: list[str]) -> dict[str, Any]:
+    """E-BFMI of ``[chain, iteration]`` sampling energies against ``criteria``: appends the failure
+    sentences to ``failures`` and returns ``ebfmi_min``, ``ebfmi_pooled`` and ``ebfmi_outliers``."""
+    c = e.shape[0]
+    values = ebfmi(e)
+    ebfmi_min = float(np.min(values)) if values.size else float("nan")
+    pooled = ebfmi_pooled(e) if values.size else float("nan")
+    bad = np.flatnonzero(~(values >= criteria.min_ebfmi))
+    if criteria.ebfmi == "pooled":
+        over = f"pooled over {c} chain{'s' if c != 1 else ''}"
+        if not math.isfinite(pooled):
+            failures.append(f"E-BFMI not finite {over}")
+        elif pooled < criteria.min_ebfmi:
+            shown = _beyond(pooled, criteria.min_ebfmi, False)
+            failures.append(f"E-BFMI {shown} < {criteria.min_ebfmi:g} {over}")
+    elif bad.size:
+        finite = values[bad][np.isfinite(values[bad])]
+        if finite.size:
+            shown = _beyond(float(finite.min()), criteria.min_ebfmi, False)
+            failures.append(f"E-BFMI {shown} < {criteria.min_ebfmi:g} in {_chain_list(bad)}")
+        else:
+            failures.append(f"E-BFMI not finite in {_chain_list(bad)}")
+    outliers = None
+    if criteria.ebfmi_outlier_alpha is not None:
+        found = ebfmi_outliers(e, criteria.ebfmi_outlier_alpha)
+        if found is not None:
+            outliers = found.to_dict()
+            if found.chains:
+                failures.append(_outlier_sentence(found))
+    return {"ebfmi_min": ebfmi_min, "ebfmi_pooled": pooled, "ebfmi_outliers": outliers}
+
+
+def _outlier_sentence(found: EBFMIOutliers) -> str:
+    """``"E-BFMI 0.062 in chain 5, 7.2 noise sd below the chains' median 0.500 (...)"``."""
+    idx = np.asarray(found.chains)
+    vals = [f"{v:.3f}" for v in found.values[:_MAX_LISTED]]
+    sds = [(found.centre - v) / found.noise_sd for v in found.values]
+    how_far = f"{min(sds):.1f}" if len(sds) == 1 else f"{min(sds):.1f}-{max(sds):.1f}"
+    return (f"E-BFMI {', '.join(vals)}{', …' if idx.size > _MAX_LISTED else ''} in {_chain_list(idx)}, "
+            f"{how_far} noise sd below the chains' median {found.centre:.3f} (noise sd {found.noise_sd:.3f} over "
+            f"{found.num_draws} draws; more than {found.z:.2f} sd is an outlier among {found.num_chains} chains "
+            f"at alpha {found.alpha:g})")
 
 
 def check_certify_inputs(model: Any, options: Mapping[str, Any]) -> None:
