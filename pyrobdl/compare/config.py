@@ -16,6 +16,7 @@ File layout (every table and key is optional unless marked)::
     fit_diagnostics = true         # PSIS-LOO and VI Pareto k on the training split
     data_dir = "../datasets"       # datasets root (relative to this file); --data-dir overrides
     reference = "nuts"             # method label whose fit is the reference (per dataset override)
+    reference_replicates = 2       # 2: a second, independent run of the reference (its resolution)
 
     [model]                        # the default model of every dataset
     hidden = [50]
@@ -37,6 +38,7 @@ File layout (every table and key is optional unless marked)::
     splits = [0, 1] or "all"       # default [0]
     methods = ["mean_field"]       # method labels run on this dataset (default: all)
     reference = "nuts"             # overrides [suite] reference ("" = none)
+    reference_replicates = 1       # overrides [suite] reference_replicates
     model = { hidden = [] }        # model overrides for this dataset
     overrides = { dropout = { p = 0.05, model = { prior = { kind = "gaussian", scale = 100.0 } } } }
                                    # per-method options (and model overrides) on this dataset
@@ -84,14 +86,17 @@ __all__ = [
 
 SUITE_KEYS = (
     "data_dir", "description", "device", "fit_diagnostics", "inference_data", "name", "num_eval_samples",
-    "reference", "seeds",
+    "reference", "reference_replicates", "seeds",
 )
 TOP_KEYS = ("datasets", "gradient_variance", "methods", "model", "suite")
 MODEL_KEYS = ("activation", "hidden", "likelihood", "prior")
 METHOD_RESERVED = ("gradient_variance", "method", "model", "published", "resources")
 #: Keys of a method's ``resources`` table (per cell, for distributed executors).
 RESOURCE_KEYS = ("cpu", "gpu")
-DATASET_RESERVED = ("methods", "model", "overrides", "reference", "source", "splits")
+DATASET_RESERVED = ("methods", "model", "overrides", "reference", "reference_replicates", "source", "splits")
+#: Runs of a dataset's reference a suite may ask for: 1, or 2 (a second, independent run whose
+#: disagreement with the first is the reference's resolution, ``pyrobdl.diagnostics.reference_resolution``).
+REFERENCE_REPLICATES = (1, 2)
 PRECISION_UNITS = ("original", "standardized")
 #: Dataset and method labels: ASCII letters and digits in runs joined by single '_' or '-'
 #: (no '__', no leading or trailing separator, no whitespace), at most :data:`LABEL_MAX` characters.
@@ -216,6 +221,9 @@ class DatasetEntry:
     overrides : Mapping[str, Mapping[str, Any]]
         Method label -> options that replace the method's options on this dataset (and an
         optional ``model`` table of model overrides for that method on this dataset).
+    reference_replicates : {1, 2}
+        Runs of the reference: 2 adds a second, independent run (another seed), from which every
+        other cell's evaluation gets the reference's resolution.
     """
 
     label: str
@@ -226,6 +234,7 @@ class DatasetEntry:
     reference: str | None
     model: Mapping[str, Any] = field(default_factory=dict)
     overrides: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    reference_replicates: int = 1
 
 
 @dataclass(frozen=True)
@@ -438,9 +447,17 @@ def _parse_resources(errors: _Errors, where: str, raw: Any) -> dict[str, float]:
     return out
 
 
+def _replicates(errors: _Errors, where: str, value: Any) -> int:
+    if _is_int(value) and value in REFERENCE_REPLICATES:
+        return int(value)
+    errors.add(where, f"must be 1 (one reference run) or 2 (a second, independent run: the reference's resolution), "
+                      f"got {value!r}")
+    return 1
+
+
 def _parse_datasets(
     errors: _Errors, raw: Any, labels: list[str], default_reference: str | None, base: Path,
-    entries_by_label: Mapping[str, MethodEntry],
+    entries_by_label: Mapping[str, MethodEntry], default_replicates: int = 1,
 ) -> list[DatasetEntry]:
     if not isinstance(raw, dict) or not raw:
         errors.add("datasets", "at least one [datasets.<label>] table is required")
@@ -489,6 +506,12 @@ def _parse_datasets(
                     f"{where}.reference",
                     f"must be the label of a method run on this dataset, one of {list(ds_methods)}; got {reference!r}",
                 )
+        replicates = default_replicates
+        if "reference_replicates" in table:
+            replicates = _replicates(errors, f"{where}.reference_replicates", table["reference_replicates"])
+            if replicates > 1 and reference is None:
+                errors.add(f"{where}.reference_replicates", "a second reference run needs a reference "
+                           "(reference = \"<method label>\" here or in [suite])")
         model = table.get("model", {})
         _check_model(errors, f"{where}.model", model)
         overrides = table.get("overrides", {})
@@ -513,7 +536,7 @@ def _parse_datasets(
         entries.append(
             DatasetEntry(
                 label, source_name, options, splits, ds_methods, reference,
-                model if isinstance(model, dict) else {}, overrides,
+                model if isinstance(model, dict) else {}, overrides, replicates if reference is not None else 1,
             )
         )
     return entries
@@ -569,9 +592,12 @@ def parse_suite(raw: Mapping[str, Any], path: str | Path = "<suite>") -> Suite:
     labels = [m.label for m in method_entries]
     if raw.get("methods") and isinstance(raw["methods"], dict):
         labels = list(raw["methods"])
+    replicates = _replicates(errors, "suite.reference_replicates", suite.get("reference_replicates", 1))
+    if replicates > 1 and not suite.get("reference"):
+        errors.add("suite.reference_replicates", "a second reference run needs a reference: set [suite] reference")
     dataset_entries = _parse_datasets(
         errors, raw.get("datasets"), labels, suite.get("reference") or None, base,
-        {m.label: m for m in method_entries},
+        {m.label: m for m in method_entries}, replicates,
     )
     for where in ("methods", "datasets"):
         if isinstance(raw.get(where), dict):

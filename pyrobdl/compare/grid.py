@@ -4,7 +4,10 @@ A :class:`Cell` carries its fully resolved configuration (source options, model 
 option of the method with defaults filled in from the registry), so a cell can run anywhere
 from its own description and its record says exactly what produced it.  Cells whose method is
 a dataset's reference are marked, and every other cell of the same dataset and split points to
-its reference cell, which runs first.
+its reference cell, which runs first.  With ``reference_replicates = 2`` the reference method also
+runs once more on every split, with seed ``reference seed + REPLICATE_SEED_OFFSET`` (a *replicate*
+cell, run beside the reference), and every cell that points to the reference points to the
+replicate too: its evaluation reads the two runs' disagreement as the reference's resolution.
 """
 
 from __future__ import annotations
@@ -18,10 +21,13 @@ from .config import ConfigError, Suite, label_problem, model_components
 from .sources import SOURCES, load_dataset
 from .store import config_hash
 
-__all__ = ["Cell", "FILTER_KEYS", "build_model", "check_plan", "expand", "parse_only", "select"]
+__all__ = ["Cell", "FILTER_KEYS", "REPLICATE_SEED_OFFSET", "build_model", "check_plan", "expand", "parse_only",
+           "select"]
 
 #: Keys ``--only`` accepts.
 FILTER_KEYS = ("dataset", "method", "seed", "split")
+#: A reference replicate's seed is the reference's seed plus this (a seed the suite's own seeds may not use).
+REPLICATE_SEED_OFFSET = 1000
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,12 @@ class Cell:
     resources : Mapping[str, float]
         ``{"cpu": ..., "gpu": ...}`` one run of the cell needs (its method's ``resources``; for
         distributed executors; not in ``spec``, so not in the hash).
+    is_replicate : bool
+        Whether this cell is the second, independent run of a reference (``reference_replicates
+        = 2``): it runs beside the reference and its draws are kept like the reference's.
+    replicate : str or None
+        Id of the replicate of this cell's reference (the reference's resolution is computed from
+        the two), or None.
     """
 
     id: str
@@ -59,6 +71,8 @@ class Cell:
     is_reference: bool = False
     reference: str | None = None
     resources: Mapping[str, float] = field(default_factory=lambda: {"cpu": 1.0, "gpu": 0.0}, repr=False)
+    is_replicate: bool = False
+    replicate: str | None = None
 
 
 def cell_id(dataset: str, method: str, split: int, seed: int) -> str:
@@ -117,16 +131,22 @@ def expand(suite: Suite, data_dir: str | None = None) -> list[Cell]:
     """
     cells = []
     ref_seed = suite.seeds[0]
+    rep_seed = ref_seed + REPLICATE_SEED_OFFSET
     for ds in suite.datasets:
+        if ds.reference_replicates > 1 and rep_seed in suite.seeds:
+            raise ConfigError(f"invalid suite {suite.path}: seed {rep_seed} is the reference replicate's "
+                              f"(the first seed + {REPLICATE_SEED_OFFSET}); remove it from [suite] seeds")
         for split in _splits(suite, ds, data_dir):
             ref_id = cell_id(ds.label, ds.reference, split, ref_seed) if ds.reference else None
+            rep_id = cell_id(ds.label, ds.reference, split, rep_seed) if ds.reference_replicates > 1 else None
             for label in ds.methods:
                 entry = suite.method(label)
                 meth = get_method(entry.method)
                 override = dict(ds.overrides.get(label, {}))
                 model = _merge_model(suite.model, ds.model, entry.model, override.pop("model", {}))
                 options = {**meth.options, **entry.options, **override}
-                for seed in suite.seeds:
+                seeds = [*suite.seeds, rep_seed] if rep_id is not None and label == ds.reference else suite.seeds
+                for seed in seeds:
                     spec = {
                         "suite": suite.name,
                         "dataset": {"label": ds.label, "source": ds.source, "options": dict(ds.options)},
@@ -141,11 +161,16 @@ def expand(suite: Suite, data_dir: str | None = None) -> list[Cell]:
                         "published": list(entry.published),
                     }
                     cid = cell_id(ds.label, label, split, seed)
-                    is_ref = cid == ref_id
-                    spec["reference"] = None if (ref_id is None or is_ref) else ref_id
+                    is_ref, is_rep = cid == ref_id, cid == rep_id
+                    spec["reference"] = None if (ref_id is None or is_ref or is_rep) else ref_id
+                    # keys only a suite with replicates has: other suites' hashes stay as they were
+                    if is_rep:
+                        spec["replicate_of"] = ref_id
+                    elif spec["reference"] is not None and rep_id is not None:
+                        spec["reference_replicate"] = rep_id
                     cells.append(
                         Cell(cid, ds.label, label, split, seed, spec, _hash(spec), is_ref, spec["reference"],
-                             dict(entry.resources))
+                             dict(entry.resources), is_rep, spec.get("reference_replicate"))
                     )
     folded: dict[str, str] = {}
     for c in cells:  # guaranteed by the label grammar; checked because a clash would lose results
@@ -199,7 +224,7 @@ def select(cells: list[Cell], only: Mapping[str, Iterable[str]]) -> list[Cell]:
         if bad:
             raise ValueError(f"--only: no cell has {key}={bad[0]!r}; valid values of {key}: {valid}")
     chosen = [c for c in cells if all(str(getattr(c, k)) in set(v) for k, v in only.items())]
-    needed = {c.reference for c in chosen if c.reference}
+    needed = {c.reference for c in chosen if c.reference} | {c.replicate for c in chosen if c.replicate}
     keep = {c.id for c in chosen} | needed
     return [c for c in cells if c.id in keep]
 
@@ -300,7 +325,8 @@ def check_plan(suite: Suite, cells: list[Cell], data_dir: str | None) -> None:
 
 def describe(cells: list[Cell]) -> str:
     """One-line summary of a grid: counts of datasets, methods, splits, seeds and cells."""
-    n = {k: len({getattr(c, k) for c in cells}) for k in FILTER_KEYS}
+    n = {k: len({getattr(c, k) for c in cells if not c.is_replicate}) for k in FILTER_KEYS}
     return (f"{len(cells)} cells: {n['dataset']} dataset(s) x {n['method']} method(s) x "
-            f"{n['split']} split(s) x {n['seed']} seed(s) ({sum(c.is_reference for c in cells)} reference)")
+            f"{n['split']} split(s) x {n['seed']} seed(s) ({sum(c.is_reference for c in cells)} reference"
+            + (f", {reps} reference replicate" if (reps := sum(c.is_replicate for c in cells)) else "") + ")")
 

@@ -52,6 +52,14 @@ from .config import Suite
 from .executors import Executor, InProcessExecutor
 from .grid import Cell, build_model, check_plan, describe, expand, select
 from .lock import RunLock, check_out_folder
+from .reference_cells import (
+    REFERENCE_DRAWS,
+    ReferencePayload,
+    combined_sha,
+    reference_payload,
+    resolution_of,
+    stored_reference,
+)
 from .sources import load_dataset
 from .store import (
     RESULT_FILE,
@@ -65,7 +73,6 @@ from .store import (
     clean_tmp,
     new_run_id,
     npz_bytes,
-    read_result,
     reference_draws_sha256,
     set_aside,
     write_manifest,
@@ -76,38 +83,11 @@ __all__ = [
     "library_versions", "reference_payload", "run_cell", "run_suite", "write_cell",
 ]
 
-REFERENCE_DRAWS = "reference_draws.pt"
 CELL_LOG = "cell.log"
 INFERENCE_DATA = "inference_data.nc"
 ARRAYS = "arrays.npz"
 #: Folder of the results folder holding in-process cells' fit checkpoints (:attr:`CellTask.checkpoint`).
 CHECKPOINTS = "checkpoints"
-
-
-@dataclass(frozen=True)
-class ReferencePayload:
-    """A reference cell's stored posterior as the driver read it for a dependent cell.
-
-    Attributes
-    ----------
-    record : Mapping or None
-        The reference cell's record (None when unavailable).
-    draws : bytes or None
-        Its draws file, checked against the checksum in its record.
-    draws_sha256 : str or None
-        That checksum (recorded by the dependent cell).
-    note : str
-        Why the reference is unavailable (the dependent cell is then scored without it).
-    error : str
-        Why the stored draws cannot be used although the record is ``ok`` (damaged, replaced,
-        unreadable); the dependent cell fails with it.
-    """
-
-    record: Mapping[str, Any] | None
-    draws: bytes | None
-    draws_sha256: str | None
-    note: str = ""
-    error: str = ""
 
 
 @dataclass(frozen=True)
@@ -170,6 +150,9 @@ class CellTask:
     capture_output : bool
         Capture the cell's stdout and stderr into its ``cell.log`` instead of the console (for
         workers in other processes, whose output would interleave).
+    replicate : ReferencePayload or None
+        The reference replicate's record and draws (``reference_replicates = 2``): with the
+        reference's, the reference's resolution.
     checkpoint : str or None
         Where the fit keeps its resumable state (methods with a ``checkpoint`` option, e.g.
         ``"chees"``): set by the driver for cells run in its own process, so a run killed inside
@@ -192,6 +175,7 @@ class CellTask:
     threads: int | None = None
     capture_output: bool = False
     checkpoint: str | None = None
+    replicate: ReferencePayload | None = None
 
 
 @dataclass(frozen=True)
@@ -286,13 +270,16 @@ def _data_info(data: Any, model: Any) -> dict[str, Any]:
     }
 
 
-def _evaluate(posterior: Any, data: Any, reference: Any, num_samples: int, seed: int) -> dict[str, float]:
+def _evaluate(posterior: Any, data: Any, reference: Any, num_samples: int, seed: int,
+              resolution: Any = None) -> dict[str, float]:
     from .. import diagnostics
 
     evaluate = getattr(diagnostics, "evaluate", None)
     if evaluate is None:
         raise RuntimeError("pyrobdl.diagnostics.evaluate is not available in this pyrobdl")
     kwargs: dict[str, Any] = {"reference": reference, "num_samples": num_samples, "seed": seed}
+    if resolution is not None:
+        kwargs["resolution"] = resolution
     if hasattr(data, "y_std"):
         kwargs.update(y_mean=float(data.y_mean), y_std=float(data.y_std))
     return dict(evaluate(posterior, data.x_test, data.y_test, **kwargs))
@@ -348,69 +335,24 @@ def netcdf_bytes(idata: Any) -> bytes:
     return blob
 
 
-def reference_payload(out: str | Path, reference: str) -> ReferencePayload:
-    """Read and verify a reference cell's record and draws for its dependents (driver side).
-
-    The draws are passed on only when they match the checksum their cell recorded.  A reference
-    that is missing or did not finish gives a ``note`` (its dependents are scored without it); a
-    record that is ``ok`` but whose draws are missing, damaged or unreadable gives an ``error``
-    naming the file (its dependents fail with it), as a stored result must never be silently
-    replaced.
-    """
-    ref_dir = Path(out) / "cells" / str(reference)
-    path = ref_dir / REFERENCE_DRAWS
-    try:
-        record = read_result(ref_dir / RESULT_FILE)
-    except (ResultsError, FileNotFoundError, OSError) as e:
-        return ReferencePayload(None, None, None, note=f"reference {reference} unavailable: {e}")
-    if record["status"] != "ok":
-        return ReferencePayload(None, None, None, note=f"reference {reference} unavailable: its cell {record['status']}")
-    expected = (record.get("checksums") or {}).get(REFERENCE_DRAWS)
-    try:
-        blob = path.read_bytes()
-    except OSError as e:
-        return ReferencePayload(record, None, None, error=f"reference draws {path} cannot be read: {e.strerror or e}")
-    if expected is None or hashlib.sha256(blob).hexdigest() != expected:
-        return ReferencePayload(record, None, None, error=(
-            f"reference draws {path} do not match the checksum in their cell's record "
-            "(damaged or replaced); rerun to refit the reference"))
-    return ReferencePayload(record, blob, expected)
+def _load_reference(task: CellTask, data: Any, device: torch.device,
+                    replicate: bool = False) -> tuple[Any, str, str | None]:
+    """The reference posterior of ``task`` (or its replicate) from the draws the driver shipped, or
+    (None, why not, None): :func:`~pyrobdl.compare.reference_cells.stored_reference`."""
+    ref_id = str(task.cell.replicate if replicate else task.cell.reference)
+    payload = (task.replicate if replicate else task.reference) or reference_payload(task.out, ref_id)
+    return stored_reference(payload, Path(task.out) / "cells" / ref_id / REFERENCE_DRAWS,
+                            lambda: build_model(task.reference_model or {}, data).to(device), str(task.reference_method))
 
 
-def _load_reference(task: CellTask, data: Any, device: torch.device) -> tuple[Any, str, str | None]:
-    """The reference posterior of ``task`` from the draws the driver shipped, or (None, why not, None).
-
-    The third element is the draws' checksum, recorded by the dependent cell so a later change of
-    the draws makes it stale.  Its ``certification`` is the reference cell's recorded one; a
-    record without one (a method without chains, or a record written before certifications
-    existed) gives a failed certification, "no certification recorded".
-
-    Raises
-    ------
-    ResultsError
-        If the reference's draws are missing, damaged or unreadable although its record is
-        ``ok`` (naming the file).
-    """
-    payload = task.reference or reference_payload(task.out, str(task.cell.reference))
-    if payload.error:
-        raise ResultsError(payload.error)
-    if payload.record is None or payload.draws is None:
-        return None, payload.note, None
-    record = payload.record
-    path = Path(task.out) / "cells" / str(task.cell.reference) / REFERENCE_DRAWS
-    try:
-        draws = artifacts.load_draws_bytes(payload.draws)
-    except Exception as e:  # torch's zip reader: its message does not name the file
-        raise ResultsError(f"reference draws {path} cannot be loaded: {type(e).__name__}: {e}") from None
-    model = build_model(task.reference_model or {}, data).to(device)
-    from ..diagnostics.certification import Certification
-    from ..posterior import Cost
-
-    cost = Cost(**record["cost"]) if isinstance(record.get("cost"), dict) else None
-    recorded = record.get("certification")
-    certification = (Certification.from_dict(recorded) if isinstance(recorded, dict)
-                     else Certification.missing("no certification recorded"))
-    return artifacts.StoredPosterior(model, draws, str(task.reference_method), cost, certification), "", payload.draws_sha256
+def _resolution(task: CellTask, data: Any, reference: Any, device: torch.device, num_samples: int,
+                seed: int) -> tuple[Any, str, str | None]:
+    """The reference's resolution from its replicate's draws, or (None, why not, None); the third
+    element is the replicate draws' checksum."""
+    replicate, note, sha = _load_reference(task, data, device, replicate=True)
+    if replicate is None:
+        return None, note, None
+    return resolution_of(replicate, reference, data, num_samples, seed), "", sha
 
 
 def _warning_texts(stage: str, caught: Sequence[warnings.WarningMessage]) -> list[str]:
@@ -464,6 +406,7 @@ def _compute_cell(task: CellTask, log: io.StringIO) -> CellResult:
         "schema": SCHEMA, "id": cell.id, "status": "running", "suite": spec["suite"],
         "dataset": cell.dataset, "method": cell.method, "method_name": spec["method"]["name"],
         "split": cell.split, "seed": cell.seed, "is_reference": cell.is_reference,
+        "is_replicate": cell.is_replicate,
         "config": spec, "config_hash": cell.config_hash, "published": spec["published"],
         "started_at": _now(), "host": socket.gethostname(), "versions": library_versions(),
         "metrics": {}, "train_metrics": {}, "exact_metrics": {}, "cost": None,
@@ -526,7 +469,7 @@ def _compute_cell(task: CellTask, log: io.StringIO) -> CellResult:
         record["settings"] = posterior.settings
         data = data.to(posterior.model.device)
         n, seed = int(spec["num_eval_samples"]), cell.seed
-        reference = None
+        reference = resolution = None
         if cell.reference:
             stage = "load reference"
             reference, note, draws_sha = _load_reference(task, data, posterior.model.device)
@@ -536,10 +479,24 @@ def _compute_cell(task: CellTask, log: io.StringIO) -> CellResult:
             if reference is not None:
                 ref_cert = reference.certification
                 record["reference"]["certified"] = bool(ref_cert.passed)
-                if not ref_cert.passed:
+                if cell.replicate:
+                    stage = "reference resolution"
+                    resolution, rep_note, rep_sha = _resolution(task, data, reference, posterior.model.device, n, seed)
+                    record["reference"].update(replicate=cell.replicate, replicate_note=rep_note,
+                                               resolution=resolution.to_dict() if resolution is not None else None)
+                    if rep_note:
+                        record["warnings"].append(rep_note)
+                    # a change of either run's draws makes this cell stale
+                    record["reference"]["draws_sha256"] = combined_sha(draws_sha, rep_sha)
+                if not ref_cert.passed and resolution is None:
                     record["warnings"].append(
                         f"the reference {cell.reference} is not certified ({'; '.join(ref_cert.failures)}): "
                         "agreement with it means nothing"
+                    )
+                elif not ref_cert.passed:
+                    record["warnings"].append(
+                        f"the reference {cell.reference} is not certified ({'; '.join(ref_cert.failures)}): "
+                        f"agreement with it is read in units of its {resolution.summary()}"
                     )
         stage = "evaluate"
         t_eval = time.perf_counter()
@@ -548,7 +505,7 @@ def _compute_cell(task: CellTask, log: io.StringIO) -> CellResult:
             # said above in the record's own words
             warnings.filterwarnings("ignore", message="agreement with an uncertified reference", category=UserWarning)
             try:
-                record["metrics"] = _evaluate(posterior, data, reference, n, seed)
+                record["metrics"] = _evaluate(posterior, data, reference, n, seed, resolution)
             finally:
                 record["warnings"] += _warning_texts("evaluate", caught)
         record["exact_metrics"] = artifacts.exact_posterior_metrics(posterior.model, posterior, data, n, seed)
@@ -570,7 +527,7 @@ def _compute_cell(task: CellTask, log: io.StringIO) -> CellResult:
                 record["gradient_variance"] = _gradient_variance(posterior, data, spec["gradient_variance"])
             except Exception as e:  # a diagnostic that does not apply to this posterior
                 record["warnings"].append(f"gradient_variance: {type(e).__name__}: {e}")
-        if cell.is_reference:
+        if cell.is_reference or cell.is_replicate:
             stage = "save reference draws"
             record["artifacts"]["reference_draws"] = add_file(REFERENCE_DRAWS, artifacts.draws_bytes(posterior, n, seed))
         if spec.get("inference_data", True):
@@ -765,6 +722,8 @@ def run_suite(
 
 def _state(c: Cell, cells_root: Path) -> tuple[str, str]:
     ref_sha = reference_draws_sha256(cells_root / c.reference, REFERENCE_DRAWS) if c.reference else None
+    if c.replicate:
+        ref_sha = combined_sha(ref_sha, reference_draws_sha256(cells_root / c.replicate, REFERENCE_DRAWS))
     return cell_state(cells_root / c.id, c.config_hash, c.reference is not None, ref_sha)
 
 
@@ -793,7 +752,8 @@ def _run_locked(suite: Suite, grid: list[Cell], cells: list[Cell], out: Path, ru
     for cid, (state, why) in states.items():
         if state in ("damaged", "stale_reference"):
             log(f"{state}: {cid}: {why}; it runs again")
-    todo_refs = [c for c in cells if c.is_reference and states[c.id][0] != "ok"]
+    # the references and their replicates: independent runs, the first stage
+    todo_refs = [c for c in cells if (c.is_reference or c.is_replicate) and states[c.id][0] != "ok"]
     log(f"{suite.name}: {describe(cells)}; {sum(s == 'ok' for s, _ in states.values())} done, "
         f"{sum(s != 'ok' for s, _ in states.values())} to run")
     by_id = {c.id: c for c in cells}
@@ -829,12 +789,13 @@ def _run_locked(suite: Suite, grid: list[Cell], cells: list[Cell], out: Path, ru
             dict(ref.spec["model"]) if ref else None, ref.spec["method"]["name"] if ref else None, run_id,
             reference=reference_of(c.reference) if c.reference else None,
             data=data_of(c), threads=threads, capture_output=remote, checkpoint=checkpoint_of(c),
+            replicate=reference_of(c.replicate) if c.replicate else None,
         )
 
     ok: list[str] = []
     failed: list[str] = []
     errors: dict[str, str] = {}
-    skipped: list[str] = [c.id for c in cells if c.is_reference and states[c.id][0] == "ok"]
+    skipped: list[str] = [c.id for c in cells if (c.is_reference or c.is_replicate) and states[c.id][0] == "ok"]
     bar = _tqdm(total=sum(s != "ok" for s, _ in states.values()), desc=suite.name, unit="cell",
                 disable=not progress, position=0)
 
@@ -852,7 +813,7 @@ def _run_locked(suite: Suite, grid: list[Cell], cells: list[Cell], out: Path, ru
         for second in (False, True):
             if second:
                 stage = []
-                for c in (c for c in cells if not c.is_reference):
+                for c in (c for c in cells if not (c.is_reference or c.is_replicate)):
                     state, why = _state(c, cells_root)
                     if state == "ok":
                         skipped.append(c.id)
