@@ -294,3 +294,55 @@ def test_bad_draws_and_options(root, draws) -> None:
             references.score("syn", 0, root=root, **kwargs)
     out = references.score("syn", 0, f[..., None], root=root)  # [S, N, 1] is accepted
     assert out["num_draws"] == C * D
+
+
+# ------------------------------------------------------------------------------ the shipped stores
+def test_shipped_stores_load_certified_with_their_data() -> None:
+    """gap and blr (split 0) ship with the package; their checksums hold, they are certified at
+    every test input, and the data the protocol's recipe regenerates are the stored ones."""
+    from pyrobdl import datasets
+
+    assert {("blr", 0), ("gap", 0)} <= set(references.available())
+    regenerate = {"gap": lambda o: datasets.gap_regression(o["num_train"], o["num_test"], noise_sd=o["noise_sd"], seed=0),
+                  "blr": lambda o: datasets.bayesian_linear_regression(
+                      o["num_train"], o["num_test"], o["in_features"], prior_scale=o["prior_scale"],
+                      precision=o["precision"], seed=0)}
+    for name, make in regenerate.items():
+        ref = references.load(name, 0)
+        assert ref.certified and ref.certification.num_points == ref.num_inputs
+        data = make(ref.protocol["data"]["options"])
+        references.check_inputs(name, 0, data.x_test)
+        np.testing.assert_array_equal(ref.x_test, data.x_test.numpy())
+        y = data.y_test.double().numpy() * data.y_std + data.y_mean
+        np.testing.assert_array_equal(ref.y_test, y.astype(np.float32))
+        out = references.score(name, 0, np.tile(ref.mean, (4, 1)), noise_sd_draws=1.0, y_test=y)
+        assert out["rmse"] == pytest.approx(ref.meta["reference_metrics"]["rmse"], rel=1e-6)
+
+
+def test_shipped_blr_reference_matches_the_exact_posterior() -> None:
+    r"""The blr reference against the exact Gaussian posterior of f(x) = w.x + b.  An empirical
+    quantile from draws with effective size E errs by about sd * sqrt(p(1-p)/E) / phi(z_p), so in
+    reference-sd units E[W2_n^2 / sd_n^2] ~ b^2 = mean_i p_i(1-p_i)/phi(z_i)^2 / E, with E the
+    smaller of the certified bulk and tail ESS.  mean_n W2_n/sd_n <= sqrt(mean_n W2_n^2/sd_n^2), a
+    Gaussian quadratic form with mean ~b^2; even with one degree of freedom it exceeds 16 b^2 with
+    probability 6e-5, so the bound is 4 b plus the stored rounding (in sd)."""
+    from pyrobdl import datasets
+
+    ref = references.load("blr", 0)
+    o = ref.protocol["data"]["options"]
+    data = datasets.bayesian_linear_regression(o["num_train"], o["num_test"], o["in_features"],
+                                               prior_scale=o["prior_scale"], precision=o["precision"], seed=0)
+    xt = np.concatenate([data.x_test.double().numpy(), np.ones((ref.num_inputs, 1))], axis=1)
+    mu = xt @ data.posterior.mean.numpy()
+    sd = np.sqrt(np.einsum("ni,ij,nj->n", xt, data.posterior.covariance.numpy(), xt))
+    z = stats.norm.ppf(ref.levels)
+    w2_in_sd = np.sqrt(np.mean((ref.quantiles - (mu[:, None] + sd[:, None] * z)) ** 2, axis=1)) / sd
+    cert = ref.certification
+    b = np.sqrt(np.mean(ref.levels * (1 - ref.levels) / stats.norm.pdf(z) ** 2)
+                / min(cert.ess_bulk_min, cert.ess_tail_min))
+    assert w2_in_sd.mean() <= 4 * b + ref.meta["rounding"]["quantile_max_in_sd"]
+    # and the exact posterior's own draws score near zero through the public API
+    rng = np.random.default_rng(3)
+    exact = mu + sd * rng.standard_normal((20_000, ref.num_inputs))
+    assert references.score("blr", 0, exact)["w2_function_in_sd"] <= 4 * b + 4 * np.sqrt(
+        np.mean(ref.levels * (1 - ref.levels) / stats.norm.pdf(z) ** 2) / 20_000) + ref.meta["rounding"]["quantile_max_in_sd"]
