@@ -105,3 +105,57 @@ def test_a_suite_with_a_replicate_scores_every_cell_in_units_of_the_resolution(t
     # a rerun resumes everything
     again = run_suite(load_suite(path), out, progress=False)
     assert again.success and len(again.skipped) == 3 and not again.ok
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_the_report_reads_agreement_in_units_of_the_resolution(tmp_path):
+    from pyrobdl.report.build import build_model
+    from pyrobdl.report.verdicts import verdict
+
+    path = tmp_path / "rep.toml"
+    path.write_text(SUITE)
+    out = tmp_path / "out"
+    assert run_suite(load_suite(path), out, progress=False).success
+    model = build_model(out)
+    [section] = [s for s in model.sections if s.title == "Dataset gap"]
+    [table] = [t for t in section.tables if t.title == "Agreement with the reference posterior"]
+    # the replicate is not a method row; the resolution is a sentence, the distance in units of it a column
+    assert [row[0] for row in table.rows] == ["hmc (reference)", "map"]
+    assert "w2_function_to_reference_in_resolutions ↓" in table.columns
+    assert not any(h.startswith("w2_function_to_reference_resolution") for h in table.columns)
+    assert "Two independent runs of the reference disagree by function-space W2" in table.note
+    # the columns in units of the resolution are not greyed against the uncertified reference
+    col = table.columns.index("w2_function_to_reference_in_resolutions ↓")
+    raw = table.columns.index("w2_function_to_reference ↓")
+    assert table.cell_kinds[1][col] == "" and table.cell_kinds[1][raw] == "uncertified"
+    text = " ".join(section.verdict)
+    assert "NOT certified" in text and "read in units of its resolution" in text
+    assert "means nothing" not in text
+    rec = read_result(out / "cells" / "gap__map__split-0__seed-0" / RESULT_FILE)
+    res = rec["metrics"]["w2_function_to_reference_resolution"]
+    # one method: its distance in resolutions, and nothing to resolve it from
+    [closest] = [line for line in verdict([r for r in _records(out)]) if line.startswith("Closest")]
+    assert closest.startswith("Closest to the reference (w2_function_to_reference, lower is better): map, ")
+    assert "resolutions)" in closest and res > 0
+
+
+def _records(out):
+    from pyrobdl.compare.store import scan_results
+
+    return [r for r in scan_results(out)[0] if not r.get("is_replicate")]
+
+
+def test_closest_sentence_says_whether_the_order_is_resolved():
+    from pyrobdl.report.resolution import closest_sentence
+
+    recs = [{"status": "ok", "dataset": "d", "split": 0, "reference": {"used": True},
+             "metrics": {"w2_function_to_reference_resolution": 0.1}}]
+    num = "{:.3g}".format
+    near = closest_sentence({"a": 0.5, "b": 0.65}, recs, "w2_function_to_reference", False, num)
+    far = closest_sentence({"a": 0.5, "b": 0.75}, recs, "w2_function_to_reference", False, num)
+    assert "a, 0.5 (5 resolutions), not resolved of an uncertified reference: the next closest, b (0.65)" in near
+    assert "resolved at this precision of an uncertified reference: the next closest, b (0.75)" in far
+    # without a resolution: today's words
+    bare = closest_sentence({"a": 0.5, "b": 0.75}, [], "w2_function_to_reference", False, num)
+    assert bare.endswith("a, 0.5 (against an uncertified reference: this means nothing).")
+    assert closest_sentence({"a": 0.5}, [], "w2_function_to_reference", True, num).endswith("a, 0.5.")

@@ -187,7 +187,10 @@ def build_model(out: str | Path, title: str | None = None) -> ReportModel:
                        + ("; ..." if len(skipped) > 20 else ""))
     datasets: dict[str, list[Mapping[str, Any]]] = {}
     for r in records:
-        datasets.setdefault(r["dataset"], []).append(r)
+        # a reference's second run is not a method: its disagreement with the first is in every
+        # dependent cell's record (the resolution), and the overview counts it
+        if not r.get("is_replicate"):
+            datasets.setdefault(r["dataset"], []).append(r)
     sections = [overview] + [_dataset_section(label, recs) for label, recs in datasets.items()]
     suites = sorted({str(r.get("suite", "")) for r in records})
     return ReportModel(title or f"pyrobdl report: {', '.join(suites)}", tuple(summary), tuple(sections))

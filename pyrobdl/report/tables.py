@@ -23,6 +23,7 @@ import numpy as np
 
 from .formatting import _finite, decimals_for, fmt, fmt_column, fmt_fixed, fmt_mean_se, mean_se
 from .model import Table
+from . import resolution as _resolution
 from .published import PUBLISHED, PublishedRow
 
 __all__ = [
@@ -90,12 +91,18 @@ REFERENCE_CERTIFIED = "reference_certified"
 #: Appended to a number computed against a reference that is not certified.
 UNCERTIFIED_MARK = " †"
 UNCERTIFIED_NOTE = "† computed against a reference posterior that is not certified: the number means nothing."
+#: The same, when the cells also record the reference's resolution.
+UNCERTIFIED_RESOLVED_NOTE = ("† computed against a reference posterior that is not certified: the number alone means "
+                             "nothing; the columns in units of the reference's resolution (…_in_resolutions, "
+                             "reference_resolved) are not greyed: they say what the reference's own precision resolves.")
 
 
 def arrow(metric: str) -> str:
     """``metric`` with ↑ (higher is better) or ↓ (lower is better) when its direction is known."""
     if metric in HIGHER_IS_BETTER:
         return f"{metric} {'↑' if HIGHER_IS_BETTER[metric] else '↓'}"
+    if metric.endswith(_resolution.IN_RESOLUTIONS):  # a distance in units of the resolution
+        return f"{metric} ↓"
     if metric.startswith("coverage_"):
         return f"{metric} (→ {int(metric.split('_')[1]) / 100:g})"
     return metric
@@ -167,7 +174,9 @@ def reference_metric_keys(records: Sequence[Mapping[str, Any]]) -> list[str]:
     unused = [r for r in ok_records(records) if not (r.get("reference") or {}).get("used")]
     if not used or not unused:
         return []
-    return sorted(set(_metric_keys(used, "metrics")) - set(_metric_keys(unused, "metrics")) - {REFERENCE_CERTIFIED})
+    keys = set(_metric_keys(used, "metrics")) - set(_metric_keys(unused, "metrics")) - {REFERENCE_CERTIFIED}
+    # the reference's own resolution is one number per split: said in a sentence, not a column
+    return sorted(k for k in keys if not _resolution.is_resolution_value(k))
 
 
 def _index(records: Iterable[Mapping[str, Any]]) -> dict[str, Mapping[str, Any]]:
@@ -291,7 +300,10 @@ def _flag(text: str, uncertified: bool) -> tuple[str, str]:
 
 
 def _uncertified(recs: Sequence[Mapping[str, Any]], key: str, index: Mapping[str, Mapping[str, Any]]) -> bool:
-    """Some record with metric ``key`` was computed against a reference that is not certified."""
+    """Some record with metric ``key`` was computed against a reference that is not certified (the
+    keys read in units of the reference's resolution are meaningful all the same)."""
+    if _resolution.meaningful_without_certificate(key):
+        return False
     return any(reference_certified(r, index) is False for r in recs if key in (r.get("metrics") or {}))
 
 
@@ -463,8 +475,16 @@ def agreement_table(records: Sequence[Mapping[str, Any]], keys: Sequence[str] | 
     preface, certified = reference_status(records)
     note = ("Metrics computed against the reference's predictive (see docs/diagnostics.md); mean ± s.e. over "
             "the cells evaluated against it (the reference method's own row: its other seeds, the noise floor).")
+    primary = next((k for k in ("w2_function_to_reference", "total_variation") if k in keys), keys[0])
+    sentence = _resolution.resolution_sentence(records, primary)
+    if sentence:
+        note += " " + sentence
     if not certified:
-        note += " " + UNCERTIFIED_NOTE
+        note += " " + (UNCERTIFIED_RESOLVED_NOTE if sentence else UNCERTIFIED_NOTE)
+        if sentence:
+            preface = preface.replace("agreement numbers below mean nothing and are greyed",
+                                      "agreement numbers below alone mean nothing and are greyed; those in units of "
+                                      "its resolution are not")
     return Table("Agreement with the reference posterior", ("method", "cells", *[arrow(k) for k in keys]),
                  tuple(rows), tuple(kinds),
                  note, tuple(cell_kinds), preface, "" if certified else "warning")

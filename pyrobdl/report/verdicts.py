@@ -4,8 +4,11 @@ Computed from stored records only (like every table), as short sentences:
 
 * the reference posterior and whether it is certified (with the certification's own reasons);
 * the best method on the headline metric (test log-likelihood when present), with its value;
-* the method closest to the reference on the first agreement metric (function-space
-  Wasserstein-2 when present), greyed in words when the reference is not certified;
+* the method closest to the reference on the first agreement distance (function-space
+  Wasserstein-2 when present; total variation for classification), greyed in words when the
+  reference is not certified; with the reference's resolution (``reference_replicates = 2``) the
+  distance in units of it and whether the closest method is resolved from the next one
+  (:mod:`pyrobdl.report.resolution`);
 * the cheapest method (process CPU seconds of the fit; gradient evaluations where CPU time was
   not recorded) whose headline metric is within :data:`TOLERANCE` of the best;
 * every method flagged, each with its reasons in words (see :func:`method_flags`).
@@ -22,6 +25,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from .resolution import closest_sentence, meaningful_without_certificate, resolution_sentence
 from .tables import (
     HIGHER_IS_BETTER,
     by_method,
@@ -145,6 +149,16 @@ def method_flags(recs: Sequence[Mapping[str, Any]]) -> list[str]:
     return flags
 
 
+def _agreement_key(records: Sequence[Mapping[str, Any]]) -> str | None:
+    """The agreement metric the verdict reads: function-space W2 when present (a distance: lower is closer)."""
+    # distances only: not top-1 agreement (higher is closer), not the keys in units of the resolution
+    agree = [k for k in reference_metric_keys(records)
+             if k != "agreement" and not HIGHER_IS_BETTER.get(k, False) and not meaningful_without_certificate(k)]
+    if not agree:
+        return None
+    return "w2_function_to_reference" if "w2_function_to_reference" in agree else agree[0]
+
+
 def verdict(records: Sequence[Mapping[str, Any]]) -> tuple[str, ...]:
     """The sentences that open a dataset section (see the module docstring)."""
     oks = ok_records(records)
@@ -162,8 +176,10 @@ def verdict(records: Sequence[Mapping[str, Any]]) -> tuple[str, ...]:
                          + (f"; largest R-hat {largest}" if largest else "") + ").")
         else:
             why = status.split("is NOT certified: ", 1)[-1].split("; agreement numbers below", 1)[0]
-            lines.append(f"Reference posterior: {', '.join(refs)}, NOT certified ({why}): every agreement number "
-                         "below is greyed and means nothing.")
+            resolved = resolution_sentence(records, _agreement_key(records) or "")
+            lines.append(f"Reference posterior: {', '.join(refs)}, NOT certified ({why}): "
+                         + (f"agreement is read in units of its resolution. {resolved}" if resolved else
+                            "every agreement number below is greyed and means nothing."))
         note = reference_extensions(records)
         if note:
             lines[-1] += " " + note
@@ -184,16 +200,13 @@ def verdict(records: Sequence[Mapping[str, Any]]) -> tuple[str, ...]:
             value, unit = costs[cheapest]
             lines.append(f"Cheapest within {tol} of the best {metric}: {cheapest} ({metric} {_num(means[cheapest][0])}, "
                          f"{_num(value)} {unit} per fit).")
-    agree = reference_metric_keys(records)
-    if agree:
-        key = "w2_function_to_reference" if "w2_function_to_reference" in agree else agree[0]
+    key = _agreement_key(records)
+    if key is not None:
         dist = {m: mean_se(metric_values([r for r in recs if (r.get("reference") or {}).get("used")], key))
                 for m, recs in groups.items() if m not in refs}
-        dist = {m: v for m, v in dist.items() if v[2]}
+        dist = {m: v[0] for m, v in dist.items() if v[2]}
         if dist:
-            closest = min(dist, key=lambda m: dist[m][0])
-            caveat = "" if certified else " (against an uncertified reference: this means nothing)"
-            lines.append(f"Closest to the reference ({key}, lower is better): {closest}, {_num(dist[closest][0])}{caveat}.")
+            lines.append(closest_sentence(dist, records, key, certified, _num))
     flagged = {m: method_flags(recs) for m, recs in groups.items()}
     flagged = {m: f for m, f in flagged.items() if f}
     if flagged:
