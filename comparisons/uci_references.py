@@ -39,6 +39,7 @@ import os
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import dataclasses
 
@@ -118,6 +119,8 @@ def run_split(name: str, split: int, args: argparse.Namespace) -> dict:
             certify_rhat=args.extend_until if args.extend_to is not None else "auto",
         )
     samples = post.num_draws
+    if args.save_draws is not None:
+        save_draws(post, data, Path(args.save_draws) / f"{name}_split{split}_seed{args.seed}.npz")
     split_cert = certify(post, held_back)
     nested_cert = certify(post, held_back, CertificationCriteria(rhat="nested", superchain_size=args.superchain))
     total = post.num_chains * post.num_draws
@@ -160,6 +163,21 @@ def run_split(name: str, split: int, args: argparse.Namespace) -> dict:
         "warnings": [str(w.message)[:300] for w in caught],
         "versions": {"pyrobdl": pyrobdl.__version__, "torch": torch.__version__},
     }
+
+
+def save_draws(post: MCMCPosterior, data: Any, path: Path) -> None:
+    """Every draw's network output at every test input (``f`` ``[chain, draw, N]``, model scale) and
+    the noise precision ``[chain, draw]``, with the target scale and the certification record: what
+    two independent runs' resolution (``pyrobdl.diagnostics.reference_resolution``) is computed from."""
+    f = post.function_draws(data.x_test)[..., 0].detach().cpu().numpy().astype(np.float32)
+    site = post.model.likelihood.site
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp.npz")
+    np.savez_compressed(tmp, f=f, precision=post.samples[site].detach().cpu().numpy().astype(np.float64),
+                        x_test=data.x_test.cpu().numpy(), y_test=data.y_test.cpu().numpy(),
+                        y_mean=np.asarray(data.y_mean, dtype=float), y_std=np.asarray(data.y_std, dtype=float),
+                        certification=json.dumps(post.certification.to_dict()))
+    os.replace(tmp, path)
 
 
 def table(rows: list[dict]) -> str:
@@ -233,6 +251,8 @@ def main() -> None:
     parser.add_argument("--extend-until", choices=["split", "nested", "both"], default="both",
                         help="which R-hat's certification ends the extension (chees's certify_rhat; nested and "
                              "both need --superchain-starts)")
+    parser.add_argument("--save-draws", default=None,
+                        help="folder for each run's draws of f at every test input (NAME_splitS_seedK.npz)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--table", action="store_true", help="print the table of --out and exit")
     args = parser.parse_args()

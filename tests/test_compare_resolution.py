@@ -68,6 +68,9 @@ def test_bad_replicate_settings_are_config_errors_naming_the_key():
         suite(SUITE.replace("reference_replicates = 2", "reference_replicates = 3"))
     with pytest.raises(ConfigError, match="suite.reference_replicates: a second reference run needs a reference"):
         suite(SUITE.replace('reference = "hmc"\n', ""))
+    # a dataset that names the reference itself is enough (comparisons/uci.toml's layout)
+    per_dataset = suite(SUITE.replace('reference = "hmc"\n', "") + 'reference = "hmc"\n')
+    assert any(c.is_replicate for c in expand(per_dataset))
     with pytest.raises(ConfigError, match="datasets.gap.reference_replicates: must be 1"):
         suite(SUITE + 'reference_replicates = "two"\n')
     with pytest.raises(ConfigError, match=f"seed {REPLICATE_SEED_OFFSET} is the reference replicate's"):

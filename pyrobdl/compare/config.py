@@ -593,12 +593,13 @@ def parse_suite(raw: Mapping[str, Any], path: str | Path = "<suite>") -> Suite:
     if raw.get("methods") and isinstance(raw["methods"], dict):
         labels = list(raw["methods"])
     replicates = _replicates(errors, "suite.reference_replicates", suite.get("reference_replicates", 1))
-    if replicates > 1 and not suite.get("reference"):
-        errors.add("suite.reference_replicates", "a second reference run needs a reference: set [suite] reference")
     dataset_entries = _parse_datasets(
         errors, raw.get("datasets"), labels, suite.get("reference") or None, base,
         {m.label: m for m in method_entries}, replicates,
     )
+    if replicates > 1 and dataset_entries and not any(d.reference for d in dataset_entries):
+        errors.add("suite.reference_replicates", "a second reference run needs a reference: no dataset has one "
+                   "(set [suite] reference or a dataset's reference)")
     for where in ("methods", "datasets"):
         if isinstance(raw.get(where), dict):
             _case_clashes(errors, where, raw[where])

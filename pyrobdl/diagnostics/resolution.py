@@ -262,6 +262,7 @@ def reference_resolution(
     seed: int = 0,
     y_mean: Any = 0.0,
     y_std: Any = 1.0,
+    model: Any = None,
 ) -> Resolution:
     r"""The resolution of a reference: the agreement metrics between two independent runs of it.
 
@@ -280,6 +281,10 @@ def reference_resolution(
         Seed of the draws (and of the predictive noise draws of ``w2_to_reference``).
     y_mean, y_std : float or array-like, default 0 and 1
         Target standardisation (regression): distances on the original scale, as ``evaluate``.
+    model : pyrobdl.BayesianMLP, optional
+        The model both runs are of; needed only when neither run is a Posterior (two stored
+        predictions), to check ``x_test``.  A stored prediction is used with all its draws: thin
+        it to ``num_samples`` draws first, as the methods it is compared with are.
 
     Returns
     -------
@@ -305,10 +310,10 @@ def reference_resolution(
     for name, value, low in (("num_samples", num_samples, 2), ("seed", seed, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-    model = _model_of(ref_a) or _model_of(ref_b)
+    model = _model_of(ref_a) or _model_of(ref_b) or model
     if model is None:
-        raise TypeError("at least one of ref_a, ref_b must be a Posterior (its model checks the inputs); "
-                        f"got {type(ref_a).__name__} and {type(ref_b).__name__}")
+        raise TypeError("at least one of ref_a, ref_b must be a Posterior (its model checks the inputs), or give "
+                        f"model=; got {type(ref_a).__name__} and {type(ref_b).__name__}")
     x = check_inputs(model, x_test, "x_test").to(model.device)
     task = model.likelihood.task
     if task == "regression":
