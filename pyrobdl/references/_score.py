@@ -161,7 +161,7 @@ def score(name: str, split: int, f_draws: Any, *, noise_sd_draws: Any = None, y_
         ``w2_function_in_sd`` (each input's W2 in units of the reference sd there, averaged),
         ``mean_error``/``sd_error`` (mean absolute error of the per-input mean and sd),
         ``mean_error_in_sd`` and ``sd_error_relative`` (``|s/s_ref - 1|``), ``num_draws``,
-        ``num_inputs``, ``certified`` (the reference's), ``resolution_floor_w2`` (the largest
+        ``num_inputs``, ``certified`` (the reference's), ``rounding_floor_w2`` (the largest
         rounding error of the stored quantiles); with noise draws ``noise_w2``; with targets
         ``rmse`` and ``reference_rmse``; with both ``test_ll`` and ``reference_test_ll``.
 
@@ -192,7 +192,7 @@ def score(name: str, split: int, f_draws: Any, *, noise_sd_draws: Any = None, y_
         "sd_error": float(np.mean(np.abs(s - ref.sd))),
         "sd_error_relative": float(np.mean(np.abs(s / ref.sd - 1.0))),
         "num_draws": int(f.shape[0]), "num_inputs": ref.num_inputs, "certified": ref.certified,
-        "resolution_floor_w2": float(ref.meta["rounding"]["quantile_max_abs"]),
+        "rounding_floor_w2": float(ref.meta["rounding"]["quantile_max_abs"]),
     }
     if noise is not None:
         out["noise_w2"] = float(_w2(empirical_quantiles(noise, ref.num_levels), ref.noise_sd_quantiles))
