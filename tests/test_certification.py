@@ -477,6 +477,37 @@ def test_both_rhats_criteria():
     assert math.isfinite(independent.rhat_split_max)
 
 
+def stuck_chains(stuck: int, delta: float, *, chains: int = 64, draws: int = 300, seed: int = 0) -> MCMCPosterior:
+    """Well-mixed chains in superchains of 8, ``stuck`` of them (one per superchain: 0, 8, 16, ...)
+    sampling a mode of f shifted by ``delta`` posterior sd (at x = 0, f is the bias: N(0, 1))."""
+    post = iid_posterior(chains=chains, draws=draws, seed=seed, superchain_size=8)
+    post.samples["layers.0.bias"][: 8 * stuck : 8] += delta
+    return post
+
+
+def test_a_few_stuck_chains_fail_the_reference_criteria_that_nested_rhat_alone_passes():
+    """4 of 64 chains in a mode shifted by 0.75 posterior sd, one in each of four superchains of 8:
+    nested R-hat averages each over its superchain (~1.002) and passes; split R-hat compares every
+    chain (~1.02, asymptotically sqrt(1 + m delta^2 / K) = 1.009 plus the split halves' noise) and
+    fails, so REFERENCE_CRITERIA ("both") fails them.  At 0.5 sd split R-hat sits at the threshold
+    (1.009-1.011 in docs/diagnostics.md's table): there no R-hat reading catches them robustly."""
+    from pyrobdl.diagnostics import REFERENCE_CRITERIA, reference_criteria
+
+    assert REFERENCE_CRITERIA.rhat == "both" and REFERENCE_CRITERIA.superchain_size is None
+    assert REFERENCE_CRITERIA.ebfmi == "pooled" and REFERENCE_CRITERIA.ebfmi_outlier_alpha == 0.01
+    assert reference_criteria(8) is REFERENCE_CRITERIA and reference_criteria(1).rhat == "split"
+    at_zero = torch.zeros(5, 3)
+    loose = dataclasses.replace(REFERENCE_CRITERIA, min_ess_bulk=0, min_ess_tail=0)
+    stuck = certify(stuck_chains(4, 0.75), at_zero, loose)
+    assert stuck.rhat_nested_max < 1.005 and stuck.rhat_split_max > 1.015, (stuck.rhat_nested_max, stuck.rhat_split_max)
+    assert not stuck.passed and len(stuck.failures) == 1
+    assert re.fullmatch(r"function-space split R-hat 1\.0\d\d > 1\.01 at 5 of 5 points", stuck.failures[0])
+    assert certify(stuck_chains(4, 0.75), at_zero, dataclasses.replace(loose, rhat="nested")).passed  # the hole
+    mixed = certify(stuck_chains(0, 0.0), at_zero, loose)
+    assert mixed.passed and mixed.rhat_split_max < 1.01, mixed.failures
+    assert certify(stuck_chains(0, 0.0), points(), REFERENCE_CRITERIA).passed  # and with the ESS criteria
+
+
 def test_a_certification_recorded_before_the_separate_rhats_reads_back():
     """Records written before rhat_split_max / rhat_nested_max existed: the one R-hat they hold
     is the criterion's, the other is None (not checked)."""

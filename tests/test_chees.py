@@ -446,10 +446,11 @@ def test_sampling_until_certified_equals_a_run_of_that_length(blr):
 
 def test_certify_rhat_both_samples_until_split_and_nested_rhat_pass(blr):
     """certify_rhat="both": the chains (started in superchains) are extended until split R-hat
-    passes too, not only the nested R-hat that certifies them by default ("auto")."""
+    passes too, not only nested R-hat (certify_rhat="nested"; "auto" checks both since
+    REFERENCE_CRITERIA)."""
     kw = dict(method="chees", num_chains=32, superchain_size=4, num_warmup=300, seed=0, progress=False,
               certify_inputs=blr.x_test, num_samples=10, max_num_samples=400, extend_by=10)
-    nested = pyrobdl.fit(blr_model(), blr.x_train, blr.y_train, **kw)
+    nested = pyrobdl.fit(blr_model(), blr.x_train, blr.y_train, certify_rhat="nested", **kw)
     both = pyrobdl.fit(blr_model(), blr.x_train, blr.y_train, certify_rhat="both", **kw)
     assert nested.certification.rhat_method == "nested" and both.certification.rhat_method == "both"
     n_nested = nested.diagnostics["extensions"][-1]["num_samples"]
@@ -915,13 +916,14 @@ def test_superchains_share_their_start_and_are_certified_with_nested_rhat(tmp_pa
     assert (w[3] - w[0]).abs().max() > 0.1  # the two superchains start from different prior draws
     assert post.trace.superchain_size == 3
     cert = post.certification
-    assert cert.rhat_method == "nested" and cert.criteria.superchain_size == 3
+    # "auto" over superchains: REFERENCE_CRITERIA, split and nested R-hat
+    assert cert.rhat_method == "both" and cert.criteria.superchain_size == 3
     assert any(f.startswith("function-space nested R-hat") for f in cert.failures), cert.failures
     assert "nested R-hat" in str(record[0].message)
     loaded = pyrobdl.load_posterior(post.save(tmp_path / "p"))
     assert loaded.trace.superchain_size == 3
     again = loaded.certify(x[:20])
-    assert again.rhat_method == "nested" and again.rhat_max == cert.rhat_max
+    assert again.rhat_method == "both" and again.rhat_max == cert.rhat_max
 
 
 def test_superchains_fit_one_map_start_per_superchain(monkeypatch):

@@ -2,13 +2,14 @@
 and ESS, batched), certification of reference posteriors, gradient variance."""
 
 from . import metrics, plots
-from .certification import Certification, CertificationCriteria, certify
+from .certification import REFERENCE_CRITERIA, Certification, CertificationCriteria, certify, reference_criteria
 from .evaluate import evaluate, fit_diagnostics, vi_pareto_k
 from .gradient_variance import gradient_variance
 from .rank_diagnostics import convergence
 from .resolution import Resolution, reference_resolution
 
 __all__ = [
+    "REFERENCE_CRITERIA",
     "Certification",
     "CertificationCriteria",
     "Resolution",
@@ -19,6 +20,7 @@ __all__ = [
     "gradient_variance",
     "metrics",
     "plots",
+    "reference_criteria",
     "reference_resolution",
     "vi_pareto_k",
 ]

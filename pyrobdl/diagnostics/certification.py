@@ -66,6 +66,7 @@ from .rank_diagnostics import convergence
 
 __all__ = [
     "MIN_DRAWS",
+    "REFERENCE_CRITERIA",
     "EBFMI_METHODS",
     "RHAT_METHODS",
     "Certification",
@@ -79,6 +80,7 @@ __all__ = [
     "ebfmi_outliers",
     "ebfmi_pooled",
     "nested_rhat",
+    "reference_criteria",
 ]
 
 #: R-hat variants :class:`CertificationCriteria` accepts.
@@ -202,6 +204,35 @@ class CertificationCriteria:
         if unknown:
             raise ValueError(f"unknown CertificationCriteria field(s) {unknown}")
         return cls(**dict(data))
+
+
+#: The one set of criteria every reference is certified against (DESIGN.md, "A reference is
+#: certified or it is not"): posteriordb's thresholds, E-BFMI pooled with the outlying-chain test,
+#: and **both** R-hats over the superchains the chains were started in (read from the trace).
+#: Nested R-hat alone passes a few chains stuck in a shifted mode (4 of 64 chains shifted by 0.5
+#: posterior sd: nested R-hat 1.001-1.006 with superchains of 8); split R-hat compares every
+#: chain with the others (docs/diagnostics.md, "Stuck chains").  For chains started
+#: independently, where nested R-hat is invalid, use :func:`reference_criteria`.
+REFERENCE_CRITERIA = CertificationCriteria(rhat="both", superchain_size=None)
+
+
+def reference_criteria(superchain_size: int | None) -> CertificationCriteria:
+    """:data:`REFERENCE_CRITERIA` for chains started in superchains of ``superchain_size``
+    (> 1), else (chains started independently, or unknown) the same criteria with split R-hat
+    alone: nested R-hat over independent starts cannot see chains that never moved.
+
+    Parameters
+    ----------
+    superchain_size : int or None
+        Chains per superchain the chains were started in (``trace.superchain_size``).
+
+    Returns
+    -------
+    CertificationCriteria
+    """
+    if superchain_size is not None and superchain_size > 1:
+        return REFERENCE_CRITERIA
+    return dataclasses.replace(REFERENCE_CRITERIA, rhat="split")
 
 
 @dataclass(frozen=True)

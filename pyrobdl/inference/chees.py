@@ -50,11 +50,11 @@ import numpy as np
 import torch
 
 from ..diagnostics.certification import (
-    CertificationCriteria,
     attach_certification,
     certification_points,
     check_certify_inputs,
     ebfmi,
+    reference_criteria,
 )
 from ..flat import FlatLogJoint
 from ..posterior import Cost, Posterior
@@ -1190,12 +1190,14 @@ def _window_start(num_warmup: int) -> int:
 
 
 def _certify(posterior: MCMCPosterior, x_points: torch.Tensor, rhat: str) -> None:
-    """Attach the certification with the ``certify_rhat`` option's R-hat; ``"auto"``: nested R-hat
-    over the superchains the trace records when the chains were started in superchains, else
-    split R-hat."""
-    if rhat == "auto":
-        rhat = "nested" if posterior.trace.superchain_size > 1 else "split"
-    attach_certification(posterior, x_points, CertificationCriteria(rhat=rhat))
+    """Attach the certification against :data:`~pyrobdl.diagnostics.REFERENCE_CRITERIA` with the
+    ``certify_rhat`` option's R-hat; ``"auto"``: split and nested R-hat over the superchains the
+    trace records when the chains were started in superchains, else split R-hat alone
+    (:func:`~pyrobdl.diagnostics.certification.reference_criteria`)."""
+    criteria = reference_criteria(posterior.trace.superchain_size)
+    if rhat != "auto":
+        criteria = dataclasses.replace(criteria, rhat=rhat)
+    attach_certification(posterior, x_points, criteria)
 
 
 register_method(Method(
