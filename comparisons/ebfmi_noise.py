@@ -19,6 +19,15 @@ default); then the same pooled over every checkpoint's chains.  If the chains di
 windows would correlate and the spread between chains would exceed the noise:
 
     python comparisons/ebfmi_noise.py --window 300 --checkpoint results/checkpoints/wine_split1{0,1,2,3,4,5,6,7}_seed0_k64.pt
+
+With ``--synthetic`` (no checkpoint) it measures the certification's outlying-chain E-BFMI test
+(:func:`~pyrobdl.diagnostics.energy.ebfmi_outliers`) and the R-hat readings on synthetic chains
+(docs/diagnostics.md, "An outlying chain's E-BFMI" and "One set of criteria for every
+reference, and stuck chains"): the AR(1) noise model against the wine measurement, outlying
+chains among 63 at 0.5, false alarms among well-mixed chains, and split / nested R-hat of a few
+chains stuck in a shifted mode:
+
+    python comparisons/ebfmi_noise.py --synthetic
 """
 
 from __future__ import annotations
@@ -81,9 +90,56 @@ def windows(paths: list[str], n: int) -> None:
         print(f"| all | {a.size} | | | {window_stats(a, b)} | | {int((a < 0.2).sum())} / {int((b < 0.2).sum())} |")
 
 
+def unit_ar1(chains: int, draws: int, value: float, seed: int) -> np.ndarray:
+    """Stationary Gaussian AR(1) energies of unit variance whose E-BFMI is ``value``."""
+    from scipy.signal import lfilter
+
+    rho = 1.0 - value / 2.0
+    z = np.random.default_rng(seed).normal(size=(chains, draws)) * np.sqrt(1.0 - rho * rho)
+    z[:, 0] /= np.sqrt(1.0 - rho * rho)
+    return lfilter([1.0], [1.0, -rho], z, axis=1)
+
+
+def synthetic() -> None:
+    """The numbers of docs/diagnostics.md's outlier and stuck-chain paragraphs."""
+    from pyrobdl.diagnostics.certification import nested_rhat
+    from pyrobdl.diagnostics.energy import ebfmi_noise_sd, ebfmi_outliers
+    from pyrobdl.diagnostics.rank_diagnostics import convergence
+
+    print(f"AR(1) noise sd: N=300 b=0.4 {ebfmi_noise_sd(300, 0.4):.3f} (wine: 0.102); N=500 b=0.5 {ebfmi_noise_sd(500, 0.5):.3f}")
+    for seed in range(3):
+        for label, bad, value in (("one at 0.05", 1, 0.05), ("one at 0.08", 1, 0.08), ("four at 0.05", 4, 0.05),
+                                  ("four at 0.08", 4, 0.08), ("random walk", 1, None)):
+            e = unit_ar1(64, 500, 0.5, seed)
+            if value is None:
+                e[0] = 0.5 * np.cumsum(np.random.default_rng(3 + seed).normal(size=500))
+            else:
+                e[:bad] = unit_ar1(bad, 500, value, 100 + seed)
+            o = ebfmi_outliers(e)
+            sds = [f"{(o.centre - v) / o.noise_sd:.1f}" for v in o.values]
+            print(f"seed {seed} {label}: pooled {ebfmi_pooled(e):.3f}, flagged {list(o.chains)} at {sds} sd (z {o.z:.2f})")
+    for k, n, b, runs in ((512, 300, 0.3, 20), (512, 300, 0.35, 20), (512, 300, 0.4, 20), (64, 500, 0.5, 40)):
+        flagged = sum(bool(ebfmi_outliers(unit_ar1(k, n, b, 1000 + i)).chains) for i in range(runs))
+        print(f"well mixed, {k} chains x {n} draws at {b}: a chain flagged in {flagged} of {runs} runs")
+    rng = np.random.default_rng(0)
+    for k in (64, 512):
+        for m, place in ((1, "spread"), (2, "spread"), (4, "spread"), (4, "together"), (8, "spread")):
+            cells = []
+            for delta in (0.5, 0.75, 1.0):
+                split, nested = [], []
+                for _ in range(5):
+                    x = rng.normal(size=(k, 300, 50))
+                    x[np.arange(m) * (8 if place == "spread" else 1)] += delta
+                    split.append(float(np.max(convergence(torch.as_tensor(x))["rhat"])))
+                    nested.append(float(np.max(nested_rhat(x, 8))))
+                cells.append(f"{min(split):.3f}-{max(split):.3f} / {min(nested):.3f}-{max(nested):.3f}")
+            print(f"| {k} | {m} {place} | " + " | ".join(cells) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--checkpoint", required=True, nargs="+",
+    parser.add_argument("--synthetic", action="store_true", help="the synthetic measurements (no checkpoint)")
+    parser.add_argument("--checkpoint", nargs="+",
                         help="a chees checkpoint (fit(..., checkpoint=PATH)); several with --window")
     parser.add_argument("--block", type=int, default=25, help="iterations per bootstrap block")
     parser.add_argument("--reps", type=int, default=2000)
@@ -93,6 +149,11 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=None,
                         help="compare each chain's E-BFMI over two disjoint windows of this many draws")
     args = parser.parse_args()
+    if args.synthetic:
+        synthetic()
+        return
+    if not args.checkpoint:
+        parser.error("--checkpoint is required without --synthetic")
     if args.window is not None:
         windows(args.checkpoint, args.window)
         return
