@@ -637,10 +637,12 @@ def test_every_mcmc_method_certifies_at_certify_inputs(method, tmp_path):
     with pytest.warns(UserWarning, match=rf"the {method} posterior is not certified .*\(at the 6 certify_inputs\)\."):
         post = pyrobdl.fit(blr_model(), x, y, certify_inputs=held_back, **short)
     assert post.certification.num_points == 6
-    assert post.certification.to_dict() == certify(post, held_back, post.certification.criteria).to_dict()
+    again = dataclasses.replace(certify(post, held_back, post.certification.criteria), inputs=post.certification.inputs)
+    assert post.certification.to_dict() == again.to_dict()
     assert post.certification.to_dict() != certify(post, x[:20], post.certification.criteria).to_dict()
     recorded = post.settings["certify_inputs"]
-    assert recorded["points"] == 6 and len(recorded["sha256"]) == 64
+    assert recorded["points"] == 6 and len(recorded["sha256"]) == 64 and recorded["source"] == "certify_inputs"
+    assert post.certification.inputs == recorded  # where it was checked travels with the certificate
     assert pyrobdl.load_posterior(post.save(tmp_path / method)).settings["certify_inputs"] == recorded
     with pytest.raises(ValueError, match="certify_inputs has 2 features but the model has in_features=3"):
         pyrobdl.fit(blr_model(), x, y, certify_inputs=torch.zeros(4, 2), **short)

@@ -4,6 +4,8 @@ gradient accounting, certification, the steps cap, option checks, and the adapta
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 import re
 import warnings
@@ -463,7 +465,9 @@ def test_certify_rhat_both_samples_until_split_and_nested_rhat_pass(blr):
     last_failed = ext[-2]
     assert not last_failed["certified"] and last_failed["rhat_split_max"] > 1.01
     assert [f.split(" ")[1] for f in last_failed["failures"] if "R-hat" in f] == ["split"]  # not nested
-    assert certify(both, blr.x_test, CertificationCriteria(rhat="both")).to_dict() == both.certification.to_dict()
+    again = certify(both, blr.x_test, CertificationCriteria(rhat="both"))
+    assert dataclasses.replace(again, inputs=both.certification.inputs).to_dict() == both.certification.to_dict()
+    assert both.certification.inputs["source"] == "certify_inputs"
     with pytest.raises(ValueError, match=r"unknown certify_rhat 'bulk'; valid: \['auto', 'split', 'nested', 'both'\]"):
         pyrobdl.fit(blr_model(), blr.x_train, blr.y_train, certify_rhat="bulk", **kw)
     with pytest.raises(ValueError, match=r"certify_rhat='both' needs chains started in superchains"):
@@ -498,7 +502,9 @@ def test_certify_inputs_are_what_the_chains_are_certified_at(tmp_path):
         post = pyrobdl.fit(small_mlp(), x, y, method="chees", certify_inputs=held_back, **TINY)
     assert post.certification.num_points == 7
     again = certify(post, held_back, post.certification.criteria)
-    assert again.to_dict() == post.certification.to_dict()
+    assert dataclasses.replace(again, inputs=post.certification.inputs).to_dict() == post.certification.to_dict()
+    assert post.certification.inputs == {"source": "certify_inputs", "points": 7,
+                                         "sha256": post.settings["certify_inputs"]["sha256"]}
     assert post.diagnostics["function_space"] == post.convergence_summary(held_back)["function_space"]
     digest = post.settings["certify_inputs"]
     assert digest["points"] == 7 and len(digest["sha256"]) == 64

@@ -26,6 +26,7 @@ written (:class:`~pyrobdl.compare.store.WriteError`) stops the run instead of fa
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import glob
 import hashlib
 import inspect
@@ -51,6 +52,7 @@ from . import artifacts
 from .config import Suite
 from .executors import Executor, InProcessExecutor
 from .grid import Cell, build_model, check_plan, describe, expand, select
+from ..diagnostics.inputs import spread_indices
 from .lock import RunLock, check_out_folder
 from .reference_cells import (
     REFERENCE_DRAWS,
@@ -442,8 +444,9 @@ def _compute_cell(task: CellTask, log: io.StringIO) -> CellResult:
                     options["checkpoint"] = task.checkpoint
                 if certifies_held_back:
                     # certified at held-back inputs (and, with max_num_samples, sampled until certified
-                    # there): the test split's first points
-                    options["certify_inputs"] = data.x_test[: int(options["diagnostic_points"])]
+                    # there): diagnostic_points test inputs spread over the test split
+                    held = spread_indices(data.x_test, int(options["diagnostic_points"]))
+                    options["certify_inputs"] = data.x_test[held]
                 posterior = fit(
                     model, data.x_train, data.y_train, spec["method"]["name"], seed=cell.seed,
                     device=task.device, progress=task.progress, **options,
@@ -452,16 +455,22 @@ def _compute_cell(task: CellTask, log: io.StringIO) -> CellResult:
                 record["warnings"] += _warning_texts("fit", caught)
         certification = getattr(posterior, "certification", None)
         if certification is not None and callable(getattr(posterior, "certify", None)):
-            # the suite certifies on held-back inputs, the test split's first points: the fit already
+            # the suite certifies on held-back inputs spread over the test split: the fit already
             # did (and warned) when it took them as certify_inputs; a chain method that does not is
             # certified here
             if not certifies_held_back:
-                points = int(posterior.settings.get("diagnostic_points", 50))
-                certification = posterior.certify(data.x_test[:points].to(posterior.model.device))
+                held = spread_indices(data.x_test, int(posterior.settings.get("diagnostic_points", 50)))
+                certification = posterior.certify(data.x_test[held].to(posterior.model.device))
                 if not certification.passed:
                     record["warnings"].append(
                         f"certify: the {cell.method} posterior is not certified on held-back inputs: "
                         + "; ".join(certification.failures))
+            # where: the test split's rows (the fit knew only the inputs' digest)
+            certification = dataclasses.replace(certification, inputs={
+                **(certification.inputs or {}), "source": "held-back inputs", "points": len(held), "indices": held})
+            posterior.certification = certification
+            if certifies_held_back:  # the fit's own certification, now with its rows
+                posterior.diagnostics["certification"] = certification.to_dict()
         record["certification"] = certification.to_dict() if certification is not None else None
         record["cost"] = posterior.cost.to_dict()
         record["fit_cpu_time_s"] = time.process_time() - cpu_fit

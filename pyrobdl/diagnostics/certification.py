@@ -62,6 +62,7 @@ import torch
 
 from .._validation import check_inputs
 from .energy import EBFMIOutliers, ebfmi, ebfmi_noise_sd, ebfmi_outliers, ebfmi_pooled
+from .inputs import spread_indices
 from .rank_diagnostics import convergence
 
 __all__ = [
@@ -75,6 +76,7 @@ __all__ = [
     "certification_points",
     "certify",
     "check_certify_inputs",
+    "given_inputs",
     "ebfmi",
     "ebfmi_noise_sd",
     "ebfmi_outliers",
@@ -278,6 +280,12 @@ class Certification:
         ``values``, the pooled ``centre``, the ``noise_sd`` used and its two sources, the
         threshold ``z``); None when it was not checked (``ebfmi_outlier_alpha=None``, no energy,
         fewer than two chains, or a record written before the test existed).
+    inputs : dict or None
+        Where it was checked: ``source`` (``"training inputs"``, ``"held-back inputs"`` or
+        ``"certify_inputs"``), ``points`` (how many), ``indices`` (their rows in that set, chosen
+        by :func:`~pyrobdl.diagnostics.inputs.spread_indices`; None when the caller gave the
+        inputs) and, for given inputs, ``sha256`` of their float64 values; None when not recorded
+        (a record written before it was).
     """
 
     passed: bool
@@ -296,6 +304,7 @@ class Certification:
     rhat_nested_max: float | None = None
     ebfmi_pooled: float | None = None
     ebfmi_outliers: dict[str, Any] | None = None
+    inputs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "failures", tuple(str(f) for f in self.failures))
@@ -354,7 +363,7 @@ class Certification:
         """
         names = {f.name for f in dataclasses.fields(cls)}
         # older records lack the last ones
-        optional = {"criteria", "rhat_split_max", "rhat_nested_max", "ebfmi_pooled", "ebfmi_outliers"}
+        optional = {"criteria", "rhat_split_max", "rhat_nested_max", "ebfmi_pooled", "ebfmi_outliers", "inputs"}
         missing, unknown = sorted(names - set(data) - optional), sorted(set(data) - names)
         if missing or unknown:
             raise ValueError(f"not a certification record: missing {missing}, unknown {unknown}")
@@ -745,11 +754,13 @@ def certification_points(model: Any, x: torch.Tensor, options: Mapping[str, Any]
     Returns
     -------
     points : torch.Tensor
-        ``certify_inputs`` on ``x``'s device and dtype, else the first ``diagnostic_points``
-        rows of ``x``.
-    recorded : dict or None
-        For the posterior's settings in place of the tensor: the number of points and the
-        SHA-256 of their float64 values; None when ``certify_inputs`` is None.
+        ``certify_inputs`` on ``x``'s device and dtype, else ``diagnostic_points`` rows of ``x``
+        spread over it (:func:`~pyrobdl.diagnostics.inputs.spread_indices`; never the first rows
+        in file order, which can all lie in one corner of the data).
+    recorded : dict
+        For the posterior's settings in place of the tensor, and the certification's ``inputs``:
+        ``source`` ("certify_inputs" or "training inputs"), ``points``, and the SHA-256 of given
+        inputs' float64 values or the chosen rows' ``indices``.
 
     Raises
     ------
@@ -758,15 +769,24 @@ def certification_points(model: Any, x: torch.Tensor, options: Mapping[str, Any]
     """
     given = options.get("certify_inputs")
     if given is None:
-        return x[: int(options["diagnostic_points"])], None
+        rows = spread_indices(x, int(options["diagnostic_points"]))
+        return x[rows], {"source": "training inputs", "points": len(rows), "indices": rows}
     import hashlib
 
     points = check_inputs(model, given, "certify_inputs").to(device=x.device, dtype=x.dtype)
     values = points.detach().to("cpu", torch.float64).contiguous().numpy()
-    return points, {"points": int(values.shape[0]), "sha256": hashlib.sha256(values.tobytes()).hexdigest()}
+    return points, {"source": "certify_inputs", "points": int(values.shape[0]),
+                    "sha256": hashlib.sha256(values.tobytes()).hexdigest()}
 
 
-def attach_certification(posterior: Any, x: Any, criteria: CertificationCriteria | None = None) -> Certification:
+def given_inputs(recorded: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """What a method's settings record of its ``certify_inputs`` option: the record of
+    :func:`certification_points` when the caller gave them, None when it chose them itself."""
+    return recorded if recorded.get("source") == "certify_inputs" else None
+
+
+def attach_certification(posterior: Any, x: Any, criteria: CertificationCriteria | None = None,
+                         inputs: Mapping[str, Any] | None = None) -> Certification:
     """Certify ``posterior`` at ``x``, store it on the posterior and in its diagnostics.
 
     Sets ``posterior.certification`` and ``posterior.diagnostics["certification"]``
@@ -781,12 +801,17 @@ def attach_certification(posterior: Any, x: Any, criteria: CertificationCriteria
         Diagnostic inputs ``[N, in_features]``.
     criteria : CertificationCriteria, optional
         E.g. ``CertificationCriteria(rhat="nested", superchain_size=...)`` for many short chains.
+    inputs : Mapping, optional
+        Where ``x`` comes from, recorded as the certification's ``inputs`` (what
+        :func:`certification_points` returns as ``recorded``).
 
     Returns
     -------
     Certification
     """
     cert = certify(posterior, x, criteria)
+    if inputs is not None:
+        cert = dataclasses.replace(cert, inputs=dict(inputs))
     posterior.certification = cert
     posterior.diagnostics["certification"] = cert.to_dict()
     return cert

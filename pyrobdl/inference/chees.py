@@ -54,6 +54,7 @@ from ..diagnostics.certification import (
     certification_points,
     check_certify_inputs,
     ebfmi,
+    given_inputs,
     reference_criteria,
 )
 from ..flat import FlatLogJoint
@@ -966,7 +967,7 @@ def _run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[st
 
     bar = None
     # what the posterior records of its options: the certification inputs by their digest
-    settings = {**options, "certify_inputs": recorded_points}
+    settings = {**options, "certify_inputs": given_inputs(recorded_points)}
 
     def result() -> MCMCPosterior:
         """The chains so far as the posterior, with its diagnostics and certification (not yet the
@@ -1047,7 +1048,7 @@ def _run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[st
         if replica_rows is not None:
             # [kept chains, iterations]: the replica (0 .. K-1, its starting row) in each beta = 1 slot
             posterior.adaptation["replica"] = replica_rows.t().cpu().numpy()
-        _certify(posterior, points, options["certify_rhat"])
+        _certify(posterior, points, options["certify_rhat"], recorded_points)
         return posterior
 
 
@@ -1189,7 +1190,7 @@ def _window_start(num_warmup: int) -> int:
     return 75
 
 
-def _certify(posterior: MCMCPosterior, x_points: torch.Tensor, rhat: str) -> None:
+def _certify(posterior: MCMCPosterior, x_points: torch.Tensor, rhat: str, inputs: Mapping[str, Any]) -> None:
     """Attach the certification against :data:`~pyrobdl.diagnostics.REFERENCE_CRITERIA` with the
     ``certify_rhat`` option's R-hat; ``"auto"``: split and nested R-hat over the superchains the
     trace records when the chains were started in superchains, else split R-hat alone
@@ -1197,7 +1198,7 @@ def _certify(posterior: MCMCPosterior, x_points: torch.Tensor, rhat: str) -> Non
     criteria = reference_criteria(posterior.trace.superchain_size)
     if rhat != "auto":
         criteria = dataclasses.replace(criteria, rhat=rhat)
-    attach_certification(posterior, x_points, criteria)
+    attach_certification(posterior, x_points, criteria, inputs=inputs)
 
 
 register_method(Method(

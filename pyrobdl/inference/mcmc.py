@@ -447,11 +447,16 @@ def run_mcmc(
     cost = Cost(wall_time_s=wall, gradient_evaluations=leapfrog + map_grads, epochs=float(leapfrog + map_grads),
                 peak_memory_bytes=_peak_memory(device), device=str(device), cpu_time_s=cpu)
     # certified at certify_inputs (e.g. held-back inputs), else the first diagnostic_points training inputs
-    from ..diagnostics.certification import attach_certification, certification_points, reference_criteria
+    from ..diagnostics.certification import (
+        attach_certification,
+        certification_points,
+        given_inputs,
+        reference_criteria,
+    )
 
     points, recorded_points = certification_points(model, x, options)
     posterior = MCMCPosterior(model, draws, trace, method=method,
-                              settings={**options, "certify_inputs": recorded_points}, cost=cost)
+                              settings={**options, "certify_inputs": given_inputs(recorded_points)}, cost=cost)
     diagnostics = _sampler_summary(trace, accept_rates, other_grads, map_grads, options, capped)
     diagnostics.update(posterior.convergence_summary(points))
     posterior.diagnostics = diagnostics
@@ -459,7 +464,7 @@ def run_mcmc(
     # reference certification at the same points (fit warns when it fails; docs/diagnostics.md):
     # the reference criteria with split R-hat (never two superchains here: independent starts, or
     # init "median"'s one common start)
-    attach_certification(posterior, points, reference_criteria(1))
+    attach_certification(posterior, points, reference_criteria(1), inputs=recorded_points)
     return posterior
 
 

@@ -316,7 +316,7 @@ def fit(
     certification = getattr(posterior, "certification", None)
     if certification is not None and not certification.passed:
         # where it was certified, when the caller chose (e.g. held-back inputs, as the suite does)
-        given = isinstance((getattr(posterior, "settings", None) or {}).get("certify_inputs"), Mapping)
+        given = (certification.inputs or {}).get("source") == "certify_inputs"
         where = f" (at the {certification.num_points} certify_inputs)" if given else ""
         warnings.warn(
             f"the {method} posterior is not certified as a reference: {'; '.join(certification.failures)}{where}. "
