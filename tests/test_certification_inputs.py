@@ -15,6 +15,27 @@ from pyrobdl.compare.store import RESULT_FILE
 from pyrobdl.diagnostics import Certification
 from pyrobdl.diagnostics.inputs import spread_indices
 
+SUITE = """
+[suite]
+name = "s"
+num_eval_samples = 10
+inference_data = false
+fit_diagnostics = false
+reference = "chees"
+[model]
+hidden = [3]
+likelihood = { kind = "gaussian", precision = 100.0 }
+[methods.chees]
+num_chains = 4
+num_warmup = 5
+num_samples = 5
+diagnostic_points = 12
+[datasets.gap]
+source = "gap"
+num_train = 20
+num_test = 60
+"""
+
 
 def gap():
     return pyrobdl.datasets.gap_regression(num_train=80, num_test=200, seed=0)
@@ -72,26 +93,7 @@ def test_fit_certifies_at_training_inputs_spread_over_the_data_and_records_them(
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_the_suite_certifies_at_held_back_inputs_spread_over_the_test_split(tmp_path):
     path = tmp_path / "s.toml"
-    path.write_text("""
-[suite]
-name = "s"
-num_eval_samples = 10
-inference_data = false
-fit_diagnostics = false
-reference = "chees"
-[model]
-hidden = [3]
-likelihood = { kind = "gaussian", precision = 100.0 }
-[methods.chees]
-num_chains = 4
-num_warmup = 5
-num_samples = 5
-diagnostic_points = 12
-[datasets.gap]
-source = "gap"
-num_train = 20
-num_test = 60
-""")
+    path.write_text(SUITE)
     out = tmp_path / "out"
     assert run_suite(load_suite(path), out, progress=False).success
     rec = read_result(out / "cells" / "gap__chees__split-0__seed-0" / RESULT_FILE)
@@ -100,3 +102,28 @@ num_test = 60
     assert inputs["source"] == "held-back inputs" and inputs["indices"] == spread_indices(data.x_test, 12)
     assert rec["diagnostics"]["certification"]["inputs"] == inputs
     assert rec["settings"]["certify_inputs"]["points"] == 12  # what the fit was given: their digest
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_the_report_says_where_the_certificate_was_checked_and_marks_it_on_1d_data(tmp_path):
+    from pyrobdl.report.build import build_model
+    from pyrobdl.report.figures import _certified_at
+    from pyrobdl.report.verdicts import where_checked
+
+    path = tmp_path / "s.toml"
+    path.write_text(SUITE.replace("[methods.chees]", "[methods.map]\nnum_steps = 20\n\n[methods.chees]"))
+    out = tmp_path / "out"
+    assert run_suite(load_suite(path), out, progress=False).success
+    [section] = [s for s in build_model(out).sections if s.title == "Dataset gap"]
+    text = " ".join(section.verdict)
+    assert "Certificate checked at 12 held-back inputs spread over the data" in text
+    [fig] = [f for f in section.figures if f.title == "gap: predictive bands"]
+    assert "Red ticks on the x-axis: the held-back inputs the chains were certified at." in fig.caption
+    rec = read_result(out / "cells" / "gap__chees__split-0__seed-0" / RESULT_FILE)
+    data = pyrobdl.datasets.gap_regression(num_train=20, num_test=60, seed=0)
+    marks = _certified_at(rec, {"test_x": data.x_test[:, 0].numpy()})
+    assert np.array_equal(np.sort(marks), np.sort(data.x_test[spread_indices(data.x_test, 12), 0].numpy()))
+    # a record from before: said, not guessed
+    old = dict(rec, certification={k: v for k, v in rec["certification"].items() if k != "inputs"})
+    assert where_checked([old]).startswith("Where it was checked is not recorded")
+    assert _certified_at(old, {"test_x": data.x_test[:, 0].numpy()}) is None

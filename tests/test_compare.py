@@ -712,8 +712,8 @@ def test_a_chees_reference_is_certified_and_extended_at_held_back_inputs(tmp_pat
 def test_a_suite_refuses_a_certify_inputs_option(tmp_path):
     text = (TINY.replace("splits = [0, 1]", "splits = [0]")
             + "\n[methods.chees]\nnum_chains = 4\nnum_warmup = 5\nnum_samples = 5\ncertify_inputs = [[0.0]]\n")
-    with pytest.raises(ConfigError, match=r"methods.chees.certify_inputs: a suite certifies each posterior at the test "
-                                          r"split's first diagnostic_points inputs itself"):
+    with pytest.raises(ConfigError, match=r"methods.chees.certify_inputs: a suite certifies each posterior itself, at "
+                                          r"diagnostic_points test inputs spread over the test split"):
         run(write(tmp_path, text), tmp_path / "out")
 
 

@@ -309,8 +309,8 @@ def check_plan(suite: Suite, cells: list[Cell], data_dir: str | None) -> None:
             problems.append(f"methods.{c.method}.checkpoint: a suite keeps each cell's checkpoint itself "
                             "(OUT/checkpoints/<cell>.pt, for cells run in the driver's process); remove the option")
         if c.spec["method"]["options"].get("certify_inputs") is not None:
-            problems.append(f"methods.{c.method}.certify_inputs: a suite certifies each posterior at the test "
-                            "split's first diagnostic_points inputs itself; remove the option")
+            problems.append(f"methods.{c.method}.certify_inputs: a suite certifies each posterior itself, at "
+                            "diagnostic_points test inputs spread over the test split; remove the option")
         try:
             model = build_model(c.spec["model"], data)
             meth = get_method(c.spec["method"]["name"])

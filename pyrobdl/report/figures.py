@@ -231,14 +231,15 @@ def predictive_bands(records: Sequence[Mapping[str, Any]], dataset: str) -> Figu
     for label, recs in by_method(ok_records(records)).items():
         arr = _arrays(_first(recs))
         if "band_x" in arr:
-            panels.append((label, arr))
+            panels.append((label, arr, _certified_at(_first(recs), arr)))
     if not panels:
         return None
     rows, cols = _grid(len(panels))
     fig = _new(3.4 * cols, 2.8 * rows)
     axes = np.atleast_1d(fig.subplots(rows, cols, sharex=True, sharey=True, squeeze=False)).ravel()
     gap = training_gap(panels[0][1]["train_x"])
-    for ax, (label, a) in zip(axes, panels):
+    marked = False
+    for ax, (label, a, checked) in zip(axes, panels):
         x, m = a["band_x"], a["band_mean"]
         if gap is not None:
             ax.axvspan(*gap, color="#f2d7a6", alpha=0.5, lw=0, label="no training data")
@@ -248,6 +249,10 @@ def predictive_bands(records: Sequence[Mapping[str, Any]], dataset: str) -> Figu
         ax.plot(x, m, color="C0", lw=1.5, label="mean")
         ax.plot(a["test_x"], a["test_y"], ".", color="0.6", ms=2, label="test")
         ax.plot(a["train_x"], a["train_y"], ".", color="k", ms=3, label="train")
+        if checked is not None:  # ticks on the x-axis: where the chains were certified
+            ax.plot(checked, np.zeros_like(checked), "|", color="C3", ms=9, mew=1.2,
+                    transform=ax.get_xaxis_transform(), label="certification inputs")
+            marked = True
         ax.set_title(label, fontsize=10)
     for ax in axes[len(panels):]:
         ax.set_visible(False)
@@ -256,11 +261,26 @@ def predictive_bands(records: Sequence[Mapping[str, Any]], dataset: str) -> Figu
         ax.set_ylabel("target y")
         ax.tick_params(labelbottom=True, labelleft=True)
     axes[0].legend(fontsize=7, loc="best")
+    if marked:
+        next(ax for ax, (_, _, c) in zip(axes, panels) if c is not None).legend(fontsize=7, loc="best")
     gap_note = (f" Shaded: the gap in the training inputs ({gap[0]:.2g} to {gap[1]:.2g}), where a good posterior "
                 "is more uncertain." if gap is not None else "")
+    cert_note = (" Red ticks on the x-axis: the held-back inputs the chains were certified at." if marked else "")
     return encode(fig, f"{dataset}: predictive bands",
                   "First split and seed of each method; inputs and targets on the original scale; bands ±2 sd of the "
-                  f"predictive (total) and of the function (epistemic).{gap_note}")
+                  f"predictive (total) and of the function (epistemic).{gap_note}{cert_note}")
+
+
+def _certified_at(record: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> np.ndarray | None:
+    """The test inputs a chain method's certification was checked at (its recorded rows of the
+    held-back split), or None (no certification, or inputs not recorded as rows of it)."""
+    inputs = (record.get("certification") or {}).get("inputs") or {}
+    rows = inputs.get("indices")
+    if inputs.get("source") != "held-back inputs" or not rows or "test_x" not in arrays:
+        return None
+    x = np.asarray(arrays["test_x"], dtype=float).ravel()
+    rows = [int(i) for i in rows if 0 <= int(i) < x.size]
+    return x[rows] if rows else None
 
 
 def training_gap(train_x: np.ndarray) -> tuple[float, float] | None:

@@ -149,6 +149,24 @@ def method_flags(recs: Sequence[Mapping[str, Any]]) -> list[str]:
     return flags
 
 
+def where_checked(records: Sequence[Mapping[str, Any]]) -> str:
+    """Where the reference cells' certificates were checked, in words ("" without reference cells)."""
+    infos = [(r.get("certification") or {}).get("inputs") for r in ok_records(records) if r.get("is_reference")]
+    if not infos:
+        return ""
+    if not all(isinstance(i, Mapping) for i in infos):
+        return ("Where it was checked is not recorded (records written before certification inputs were spread over "
+                "the data were checked at the first inputs in file order).")
+    counts = sorted({int(i.get("points", 0)) for i in infos})
+    sources = sorted({str(i.get("source")) for i in infos})
+    n = "/".join(str(c) for c in counts)
+    if sources == ["certify_inputs"]:
+        return f"Certificate checked at the {n} inputs the method was given."
+    spread = " spread over the data (farthest-point sampling)" if all(i.get("indices") for i in infos) else ""
+    return (f"Certificate checked at {n} {' and '.join(sources)}{spread}; on 1-D data they are marked on the "
+            "predictive-bands figure.")
+
+
 def _agreement_key(records: Sequence[Mapping[str, Any]]) -> str | None:
     """The agreement metric the verdict reads: function-space W2 when present (a distance: lower is closer)."""
     # distances only: not top-1 agreement (higher is closer), not the keys in units of the resolution
@@ -180,9 +198,9 @@ def verdict(records: Sequence[Mapping[str, Any]]) -> tuple[str, ...]:
             lines.append(f"Reference posterior: {', '.join(refs)}, NOT certified ({why}): "
                          + (f"agreement is read in units of its resolution. {resolved}" if resolved else
                             "every agreement number below is greyed and means nothing."))
-        note = reference_extensions(records)
-        if note:
-            lines[-1] += " " + note
+        for note in (where_checked(records), reference_extensions(records)):
+            if note:
+                lines[-1] += " " + note
     else:
         lines.append("No reference posterior in this suite: agreement with one is not measured.")
     metric = headline_metric(records)
