@@ -90,6 +90,10 @@ def test_default_criteria_are_posteriordbs():
         ({"ebfmi_outlier_alpha": 2}, "ebfmi_outlier_alpha"),
         ({"ebfmi_outlier_alpha": 0}, "ebfmi_outlier_alpha"),
         ({"ebfmi_outlier_alpha": "0.01"}, "ebfmi_outlier_alpha"),
+        ({"chain_outlier_alpha": 1}, "chain_outlier_alpha"),
+        ({"chain_outlier_alpha": 0.0}, "chain_outlier_alpha"),
+        ({"chain_outlier_alpha": float("nan")}, "chain_outlier_alpha"),
+        ({"chain_outlier_alpha": True}, "chain_outlier_alpha"),
     ],
 )
 def test_invalid_criteria_name_the_field(kwargs, field):
@@ -497,7 +501,8 @@ def test_a_few_stuck_chains_fail_the_reference_criteria_that_nested_rhat_alone_p
     assert REFERENCE_CRITERIA.ebfmi == "pooled" and REFERENCE_CRITERIA.ebfmi_outlier_alpha == 0.01
     assert reference_criteria(8) is REFERENCE_CRITERIA and reference_criteria(1).rhat == "split"
     at_zero = torch.zeros(5, 3)
-    loose = dataclasses.replace(REFERENCE_CRITERIA, min_ess_bulk=0, min_ess_tail=0)
+    # the R-hat readings alone (the chain-mean outlier test fails these chains too: last line)
+    loose = dataclasses.replace(REFERENCE_CRITERIA, min_ess_bulk=0, min_ess_tail=0, chain_outlier_alpha=None)
     stuck = certify(stuck_chains(4, 0.75), at_zero, loose)
     assert stuck.rhat_nested_max < 1.005 and stuck.rhat_split_max > 1.015, (stuck.rhat_nested_max, stuck.rhat_split_max)
     assert not stuck.passed and len(stuck.failures) == 1
@@ -506,6 +511,8 @@ def test_a_few_stuck_chains_fail_the_reference_criteria_that_nested_rhat_alone_p
     mixed = certify(stuck_chains(0, 0.0), at_zero, loose)
     assert mixed.passed and mixed.rhat_split_max < 1.01, mixed.failures
     assert certify(stuck_chains(0, 0.0), points(), REFERENCE_CRITERIA).passed  # and with the ESS criteria
+    both = certify(stuck_chains(4, 0.75), at_zero, REFERENCE_CRITERIA).failures
+    assert len(both) == 2 and both[1].startswith("chains 0, 8, 16, 24 hold means of f"), both
 
 
 def test_a_certification_recorded_before_the_separate_rhats_reads_back():

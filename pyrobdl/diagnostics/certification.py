@@ -61,6 +61,7 @@ import numpy as np
 import torch
 
 from .._validation import check_inputs
+from .chain_outliers import chain_outliers
 from .energy import EBFMIOutliers, ebfmi, ebfmi_noise_sd, ebfmi_outliers, ebfmi_pooled
 from .inputs import spread_indices
 from .rank_diagnostics import convergence
@@ -159,6 +160,12 @@ class CertificationCriteria:
         Bonferroni over the chains at this level): one chain with a pathological energy barely
         moves the pooled value.  None: not checked.  Records written before this option existed
         read back as None, what they checked.
+    chain_outlier_alpha : float in (0, 1) or None, default 0.01
+        Fail a chain whose mean of some quantity lies further from the chains' median than the
+        Monte Carlo error of a chain mean explains
+        (:func:`~pyrobdl.diagnostics.chain_outliers.chain_outliers`, Bonferroni over chains and
+        quantities at this level; not run with fewer than 8 chains): a few stuck chains among many
+        barely move R-hat.  None: not checked (what records written before it read back as).
 
     Raises
     ------
@@ -175,6 +182,7 @@ class CertificationCriteria:
     superchain_size: int | None = None
     ebfmi: str = "pooled"
     ebfmi_outlier_alpha: float | None = 0.01
+    chain_outlier_alpha: float | None = 0.01
 
     def __post_init__(self) -> None:
         owner = "CertificationCriteria"
@@ -189,11 +197,12 @@ class CertificationCriteria:
             raise ValueError(f"{owner}.ebfmi must be one of {list(EBFMI_METHODS)}, got {self.ebfmi!r}")
         if self.superchain_size is not None:
             _integer(owner, "superchain_size", self.superchain_size, 1)
-        alpha = self.ebfmi_outlier_alpha
-        if alpha is not None:
-            _number(owner, "ebfmi_outlier_alpha", alpha, low=0.0, strict=True)
-            if alpha >= 1:
-                raise ValueError(f"{owner}.ebfmi_outlier_alpha must be in (0, 1) or None, got {alpha!r}")
+        for name in ("ebfmi_outlier_alpha", "chain_outlier_alpha"):
+            alpha = getattr(self, name)
+            if alpha is not None:
+                _number(owner, name, alpha, low=0.0, strict=True)
+                if alpha >= 1:
+                    raise ValueError(f"{owner}.{name} must be in (0, 1) or None, got {alpha!r}")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (JSON-serialisable)."""
@@ -280,6 +289,12 @@ class Certification:
         ``values``, the pooled ``centre``, the ``noise_sd`` used and its two sources, the
         threshold ``z``); None when it was not checked (``ebfmi_outlier_alpha=None``, no energy,
         fewer than two chains, or a record written before the test existed).
+    chain_outliers : dict or None
+        What the chain-mean outlier test measured (:meth:`ChainOutliers.to_dict
+        <pyrobdl.diagnostics.chain_outliers.ChainOutliers.to_dict>`: the flagged ``chains`` and
+        their largest scores ``values``, the ``largest`` score of any chain, the threshold ``z``,
+        ``alpha``); None when it was not checked (``chain_outlier_alpha=None``, fewer than 8
+        chains or 4 draws, or a record written before the test existed).
     inputs : dict or None
         Where it was checked: ``source`` (``"training inputs"``, ``"held-back inputs"`` or
         ``"certify_inputs"``), ``points`` (how many), ``indices`` (their rows in that set, chosen
@@ -305,6 +320,7 @@ class Certification:
     ebfmi_pooled: float | None = None
     ebfmi_outliers: dict[str, Any] | None = None
     inputs: dict[str, Any] | None = None
+    chain_outliers: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "failures", tuple(str(f) for f in self.failures))
@@ -363,7 +379,8 @@ class Certification:
         """
         names = {f.name for f in dataclasses.fields(cls)}
         # older records lack the last ones
-        optional = {"criteria", "rhat_split_max", "rhat_nested_max", "ebfmi_pooled", "ebfmi_outliers", "inputs"}
+        optional = {"criteria", "rhat_split_max", "rhat_nested_max", "ebfmi_pooled", "ebfmi_outliers", "inputs",
+                    "chain_outliers"}
         missing, unknown = sorted(names - set(data) - optional), sorted(set(data) - names)
         if missing or unknown:
             raise ValueError(f"not a certification record: missing {missing}, unknown {unknown}")
@@ -388,8 +405,10 @@ class Certification:
         criteria.setdefault("ebfmi", "per-chain")
         # ... and no outlying-chain E-BFMI test
         criteria.setdefault("ebfmi_outlier_alpha", None)
-        if d.get("ebfmi_outliers") is not None:
-            d["ebfmi_outliers"] = dict(d["ebfmi_outliers"])
+        criteria.setdefault("chain_outlier_alpha", None)  # ... and no chain-mean outlier test
+        for key in ("ebfmi_outliers", "chain_outliers"):
+            if d.get(key) is not None:
+                d[key] = dict(d[key])
         d["criteria"] = CertificationCriteria.from_dict(criteria)
         return cls(**d)
 
@@ -622,6 +641,7 @@ def certify(posterior: Any, x: Any, criteria: CertificationCriteria | None = Non
     failures: list[str] = []
     rhat_max = ess_bulk_min = ess_tail_min = split_max = nan
     nested_max: Any = nan if criteria.rhat in ("nested", "both") else None  # None: not checked
+    stuck = None
     if d < MIN_DRAWS:
         failures.append(f"{d} draw(s) per chain: at least {MIN_DRAWS} are needed to compute R-hat and ESS")
     else:
@@ -656,6 +676,10 @@ def certify(posterior: Any, x: Any, criteria: CertificationCriteria | None = Non
         ess_bulk_min, ess_tail_min = float(np.min(conv["ess_bulk"])), float(np.min(conv["ess_tail"]))
         failures += _check_ess(conv["ess_bulk"], criteria.min_ess_bulk, "bulk ESS", n)
         failures += _check_ess(conv["ess_tail"], criteria.min_ess_tail, "tail ESS", n)
+        found = None if criteria.chain_outlier_alpha is None else chain_outliers(f, criteria.chain_outlier_alpha)
+        if found is not None:
+            stuck = found.to_dict()
+            failures += [found.sentence()] if found.chains else []
 
     trace = getattr(posterior, "trace", None)
     divergences: int | None = None
@@ -678,7 +702,7 @@ def certify(posterior: Any, x: Any, criteria: CertificationCriteria | None = Non
         ess_bulk_min=ess_bulk_min, ess_tail_min=ess_tail_min, divergences=divergences,
         ebfmi_min=energy_checks.get("ebfmi_min"), num_points=n, num_chains=c, num_draws=d, criteria=criteria,
         rhat_split_max=split_max, rhat_nested_max=nested_max, ebfmi_pooled=energy_checks.get("ebfmi_pooled"),
-        ebfmi_outliers=energy_checks.get("ebfmi_outliers"),
+        ebfmi_outliers=energy_checks.get("ebfmi_outliers"), chain_outliers=stuck,
     )
 
 
