@@ -222,7 +222,8 @@ class CertificationCriteria:
 #: and **both** R-hats over the superchains the chains were started in (read from the trace).
 #: Nested R-hat alone passes a few chains stuck in a shifted mode (4 of 64 chains shifted by 0.5
 #: posterior sd: nested R-hat 1.001-1.006 with superchains of 8); split R-hat compares every
-#: chain with the others (docs/diagnostics.md, "Stuck chains").  For chains started
+#: chain with the others, and the chain-mean outlier test (``chain_outlier_alpha``) fails a few
+#: stuck chains that both R-hats pass (docs/diagnostics.md, "Stuck chains").  For chains started
 #: independently, where nested R-hat is invalid, use :func:`reference_criteria`.
 REFERENCE_CRITERIA = CertificationCriteria(rhat="both", superchain_size=None)
 
