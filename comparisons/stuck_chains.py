@@ -66,8 +66,9 @@ def readings(x: np.ndarray) -> tuple[float, float, float, float]:
 
 
 def cell(values: list[float], fails: int, decimals: int) -> str:
-    lo, hi = min(values), max(values)
-    text = f"{lo:.{decimals}f}" if f"{lo:.{decimals}f}" == f"{hi:.{decimals}f}" else f"{lo:.{decimals}f}–{hi:.{decimals}f}"
+    """A table cell: the range of ``values``, bold when some failed, and how many did."""
+    lo, hi = (f"{v:.{decimals}f}" for v in (min(values), max(values)))
+    text = lo if lo == hi else f"{lo}–{hi}"
     return f"**{text}** ({fails})" if fails else f"{text} (0)"
 
 

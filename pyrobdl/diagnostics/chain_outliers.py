@@ -26,8 +26,9 @@ and chain :math:`k` is flagged when :math:`\max_q |z_{kq}| > z_{K,Q} = \Phi^{-1}
   :math:`K Q` scores divided by it is far more often above the Bonferroni threshold than
   :math:`\alpha` (measured on exact Gaussian chain means of 50 quantities: a chain flagged in
   22% of runs at K = 64, 2% at K = 512, 86% at K = 16; ``comparisons/stuck_chains.py``).
-  (b) A floor, the within-chain standard deviation over the square root of the **within-chain** ESS of one chain: :math:`W_q` the mean within-chain
-  variance, :math:`\mathrm{ESS}^{\mathrm{chain}}_q` Geyer's ESS of the chains centred on their own
+  (b) A floor, the within-chain standard deviation over the square root of the
+  **within-chain** ESS of one chain: :math:`W_q` the mean within-chain variance,
+  :math:`\mathrm{ESS}^{\mathrm{chain}}_q` Geyer's ESS of the chains centred on their own
   means (so that stuck chains do not lower it, as they lower ArviZ's ESS) divided by :math:`K`,
   and at most the draws per chain (an antithetic estimate does not shrink the floor).  The floor
   is estimated from all :math:`K D` draws, precise where the MAD is not, but biased low for
