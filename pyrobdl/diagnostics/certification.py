@@ -64,7 +64,7 @@ from .._validation import check_inputs
 from .chain_outliers import chain_outliers
 from .rhat import RHAT_DECIMALS, _beyond, _check_ess, _check_rhat, nested_rhat
 from .energy import EBFMIOutliers, ebfmi, ebfmi_noise_sd, ebfmi_outliers, ebfmi_pooled
-from .inputs import spread_indices
+from .inputs import certification_points, check_certify_inputs, given_inputs
 from .rank_diagnostics import convergence
 
 __all__ = [
@@ -620,65 +620,6 @@ def _outlier_sentence(found: EBFMIOutliers) -> str:
             f"{how_far} noise sd below the chains' median {found.centre:.3f} (noise sd {found.noise_sd:.3f} over "
             f"{found.num_draws} draws; more than {found.z:.2f} sd is an outlier among {found.num_chains} chains "
             f"at alpha {found.alpha:g})")
-
-
-def check_certify_inputs(model: Any, options: Mapping[str, Any]) -> None:
-    """Refuse a chain method's ``certify_inputs`` option before any work when it is not None and
-    not inputs ``[n, in_features]`` of ``model`` (the error names the option).
-
-    Raises
-    ------
-    ValueError, TypeError
-        From :func:`pyrobdl._validation.check_inputs`.
-    """
-    if options.get("certify_inputs") is not None:
-        check_inputs(model, options["certify_inputs"], "certify_inputs")
-
-
-def certification_points(model: Any, x: torch.Tensor, options: Mapping[str, Any]) -> tuple[torch.Tensor, Any]:
-    """The inputs an MCMC method certifies its chains at, and what its settings record of them.
-
-    Parameters
-    ----------
-    model : pyrobdl.BayesianMLP
-    x : torch.Tensor
-        The training inputs (on the run's device).
-    options : Mapping
-        The method's options: ``certify_inputs`` (None, or inputs ``[n, in_features]``, e.g.
-        held-back test inputs) and ``diagnostic_points``.
-
-    Returns
-    -------
-    points : torch.Tensor
-        ``certify_inputs`` on ``x``'s device and dtype, else ``diagnostic_points`` rows of ``x``
-        spread over it (:func:`~pyrobdl.diagnostics.inputs.spread_indices`; never the first rows
-        in file order, which can all lie in one corner of the data).
-    recorded : dict
-        For the posterior's settings in place of the tensor, and the certification's ``inputs``:
-        ``source`` ("certify_inputs" or "training inputs"), ``points``, and the SHA-256 of given
-        inputs' float64 values or the chosen rows' ``indices``.
-
-    Raises
-    ------
-    ValueError
-        ``certify_inputs`` not 2-D with the model's ``in_features`` columns, empty or not finite.
-    """
-    given = options.get("certify_inputs")
-    if given is None:
-        rows = spread_indices(x, int(options["diagnostic_points"]))
-        return x[rows], {"source": "training inputs", "points": len(rows), "indices": rows}
-    import hashlib
-
-    points = check_inputs(model, given, "certify_inputs").to(device=x.device, dtype=x.dtype)
-    values = points.detach().to("cpu", torch.float64).contiguous().numpy()
-    return points, {"source": "certify_inputs", "points": int(values.shape[0]),
-                    "sha256": hashlib.sha256(values.tobytes()).hexdigest()}
-
-
-def given_inputs(recorded: Mapping[str, Any]) -> Mapping[str, Any] | None:
-    """What a method's settings record of its ``certify_inputs`` option: the record of
-    :func:`certification_points` when the caller gave them, None when it chose them itself."""
-    return recorded if recorded.get("source") == "certify_inputs" else None
 
 
 def attach_certification(posterior: Any, x: Any, criteria: CertificationCriteria | None = None,

@@ -16,16 +16,25 @@ points, the data's own gaps included — depends on nothing but the inputs and `
 file order beyond ties), and costs :math:`O(N n)`.  Quantiles of each feature would cover each
 axis but not their combinations; a seeded permutation covers regions only in proportion to their
 density, so a sparse region (a gap) can be missed.
+
+:func:`certification_points` is what every chain method calls to get its certification inputs
+(given ``certify_inputs``, else ``diagnostic_points`` training inputs spread this way) and the
+record of them that its settings and its certification keep; :func:`check_certify_inputs` refuses
+bad given inputs before any work; :func:`given_inputs` is the settings' part of that record.
+(All three are also importable from :mod:`pyrobdl.diagnostics.certification`, where they were.)
 """
 
 from __future__ import annotations
 
-from typing import Any
+import hashlib
+from typing import Any, Mapping
 
 import numpy as np
 import torch
 
-__all__ = ["spread_indices"]
+from .._validation import check_inputs
+
+__all__ = ["certification_points", "check_certify_inputs", "given_inputs", "spread_indices"]
 
 
 def spread_indices(x: Any, n: int) -> list[int]:
@@ -70,3 +79,60 @@ def spread_indices(x: Any, n: int) -> list[int]:
         dist = np.minimum(dist, np.square(z - z[nxt]).sum(1))
         dist[chosen] = -1.0
     return sorted(chosen)
+
+
+def check_certify_inputs(model: Any, options: Mapping[str, Any]) -> None:
+    """Refuse a chain method's ``certify_inputs`` option before any work when it is not None and
+    not inputs ``[n, in_features]`` of ``model`` (the error names the option).
+
+    Raises
+    ------
+    ValueError, TypeError
+        From :func:`pyrobdl._validation.check_inputs`.
+    """
+    if options.get("certify_inputs") is not None:
+        check_inputs(model, options["certify_inputs"], "certify_inputs")
+
+
+def certification_points(model: Any, x: torch.Tensor, options: Mapping[str, Any]) -> tuple[torch.Tensor, Any]:
+    """The inputs an MCMC method certifies its chains at, and what its settings record of them.
+
+    Parameters
+    ----------
+    model : pyrobdl.BayesianMLP
+    x : torch.Tensor
+        The training inputs (on the run's device).
+    options : Mapping
+        The method's options: ``certify_inputs`` (None, or inputs ``[n, in_features]``, e.g.
+        held-back test inputs) and ``diagnostic_points``.
+
+    Returns
+    -------
+    points : torch.Tensor
+        ``certify_inputs`` on ``x``'s device and dtype, else ``diagnostic_points`` rows of ``x``
+        spread over it (:func:`~pyrobdl.diagnostics.inputs.spread_indices`; never the first rows
+        in file order, which can all lie in one corner of the data).
+    recorded : dict
+        For the posterior's settings in place of the tensor, and the certification's ``inputs``:
+        ``source`` ("certify_inputs" or "training inputs"), ``points``, and the SHA-256 of given
+        inputs' float64 values or the chosen rows' ``indices``.
+
+    Raises
+    ------
+    ValueError
+        ``certify_inputs`` not 2-D with the model's ``in_features`` columns, empty or not finite.
+    """
+    given = options.get("certify_inputs")
+    if given is None:
+        rows = spread_indices(x, int(options["diagnostic_points"]))
+        return x[rows], {"source": "training inputs", "points": len(rows), "indices": rows}
+    points = check_inputs(model, given, "certify_inputs").to(device=x.device, dtype=x.dtype)
+    values = points.detach().to("cpu", torch.float64).contiguous().numpy()
+    return points, {"source": "certify_inputs", "points": int(values.shape[0]),
+                    "sha256": hashlib.sha256(values.tobytes()).hexdigest()}
+
+
+def given_inputs(recorded: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """What a method's settings record of its ``certify_inputs`` option: the record of
+    :func:`certification_points` when the caller gave them, None when it chose them itself."""
+    return recorded if recorded.get("source") == "certify_inputs" else None
