@@ -11,7 +11,8 @@ import pytest
 import pyrobdl
 
 MODULES = ["pyrobdl", "pyrobdl.priors", "pyrobdl.likelihoods", "pyrobdl.guides", "pyrobdl.inference",
-           "pyrobdl.poutine", "pyrobdl.datasets", "pyrobdl.diagnostics", "pyrobdl.posterior"]
+           "pyrobdl.poutine", "pyrobdl.datasets", "pyrobdl.diagnostics", "pyrobdl.posterior", "pyrobdl.references",
+           "pyrobdl.diagnostics.resolution", "pyrobdl.diagnostics.inputs", "pyrobdl.diagnostics.agreement"]
 
 
 @pytest.mark.parametrize("name", MODULES)

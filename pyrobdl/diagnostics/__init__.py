@@ -9,9 +9,9 @@ from .rank_diagnostics import convergence
 from .resolution import Resolution, reference_resolution
 
 __all__ = [
-    "REFERENCE_CRITERIA",
     "Certification",
     "CertificationCriteria",
+    "REFERENCE_CRITERIA",
     "Resolution",
     "certify",
     "convergence",
