@@ -46,13 +46,13 @@ import numpy as np
 import torch
 
 from .. import __version__
+from ..diagnostics.inputs import spread_indices
 from ..inference import fit
 from ..inference.registry import get_method
 from . import artifacts
 from .config import Suite
 from .executors import Executor, InProcessExecutor
 from .grid import Cell, build_model, check_plan, describe, expand, select
-from ..diagnostics.inputs import spread_indices
 from .lock import RunLock, check_out_folder
 from .reference_cells import (
     REFERENCE_DRAWS,

@@ -34,7 +34,14 @@ import torch
 
 from .._validation import check_inputs
 
-__all__ = ["certification_points", "check_certify_inputs", "given_inputs", "spread_indices"]
+__all__ = ["certification_points", "check_certify_inputs", "given_inputs", "inputs_sha256", "spread_indices"]
+
+
+def inputs_sha256(x: torch.Tensor) -> str:
+    """SHA-256 of inputs ``[N, in_features]`` as float64: how a certification (given inputs) and a
+    resolution name the inputs they were computed at."""
+    values = x.detach().to("cpu", torch.float64).contiguous().numpy()
+    return hashlib.sha256(values.tobytes()).hexdigest()
 
 
 def spread_indices(x: Any, n: int) -> list[int]:
@@ -127,9 +134,7 @@ def certification_points(model: Any, x: torch.Tensor, options: Mapping[str, Any]
         rows = spread_indices(x, int(options["diagnostic_points"]))
         return x[rows], {"source": "training inputs", "points": len(rows), "indices": rows}
     points = check_inputs(model, given, "certify_inputs").to(device=x.device, dtype=x.dtype)
-    values = points.detach().to("cpu", torch.float64).contiguous().numpy()
-    return points, {"source": "certify_inputs", "points": int(values.shape[0]),
-                    "sha256": hashlib.sha256(values.tobytes()).hexdigest()}
+    return points, {"source": "certify_inputs", "points": int(points.shape[0]), "sha256": inputs_sha256(points)}
 
 
 def given_inputs(recorded: Mapping[str, Any]) -> Mapping[str, Any] | None:

@@ -34,7 +34,6 @@ really like? ICML 2021.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -45,8 +44,9 @@ import torch
 from .._validation import check_inputs
 from ..posterior import Posterior, Prediction
 from .agreement import _target_scale, reference_certification, reference_scores, resolve_reference
+from .inputs import inputs_sha256
 
-__all__ = ["DISTANCES", "Resolution", "inputs_sha256", "reference_resolution"]
+__all__ = ["DISTANCES", "Resolution", "reference_resolution"]
 
 #: Agreement keys and how each becomes a distance (0 = the runs agree exactly): ``"distance"`` is
 #: one already, ``"similarity"`` is one minus a distance (classification agreement).
@@ -59,12 +59,6 @@ DISTANCES = {
 }
 #: The distance a verdict reads, per task: a metric, so that the triangle inequality holds.
 PRIMARY = {"regression": "w2_function_to_reference", "classification": "total_variation"}
-
-
-def inputs_sha256(x: torch.Tensor) -> str:
-    """SHA-256 of inputs ``[N, in_features]`` as float64 (how a resolution names its inputs)."""
-    values = x.detach().to("cpu", torch.float64).contiguous().numpy()
-    return hashlib.sha256(values.tobytes()).hexdigest()
 
 
 def _distance(key: str, value: float) -> float:
@@ -351,8 +345,6 @@ def check_resolution(resolution: Any, x: torch.Tensor, task: str, num_samples: i
     """
     if resolution is None:
         return None
-    if isinstance(resolution, Mapping):
-        resolution = Resolution.from_dict(resolution)
     if not isinstance(resolution, Resolution):
         raise TypeError(f"resolution must be a Resolution (reference_resolution(...)), got {type(resolution).__name__}")
     if resolution.task != task:

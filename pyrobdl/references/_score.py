@@ -15,40 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from ._store import Reference, array_sha256, empirical_quantiles, load
+from ._store import Reference, array_sha256, empirical_quantiles, load, mixture_test_ll
 
 SCALES = ("original", "model")
-_LOG_2PI = float(np.log(2.0 * np.pi))
-
-
-def mixture_test_ll(f: np.ndarray, noise_sd: np.ndarray, y: np.ndarray, chunk: int = 4_000_000) -> float:
-    r"""Mean over inputs of :math:`\log \frac1S \sum_s \mathcal N(y_n \mid f_{sn}, \sigma_s^2)`.
-
-    Parameters
-    ----------
-    f : ndarray ``[S, N]``
-        Function draws.
-    noise_sd : ndarray ``[S]``
-        Noise sd of each draw (same scale as ``f`` and ``y``).
-    y : ndarray ``[N]``
-        Targets.
-    chunk : int
-        Elements of ``[S, n]`` evaluated at a time (memory bound).
-
-    Returns
-    -------
-    float
-    """
-    s, n = f.shape
-    sd = np.asarray(noise_sd, dtype=np.float64).reshape(s, 1)
-    step = max(1, chunk // s)
-    total = 0.0
-    for lo in range(0, n, step):
-        z = (y[None, lo:lo + step] - f[:, lo:lo + step]) / sd
-        logp = -0.5 * z * z - np.log(sd) - 0.5 * _LOG_2PI
-        top = logp.max(0)
-        total += float(np.sum(top + np.log(np.exp(logp - top).sum(0)) - np.log(s)))
-    return total / n
 
 
 def _as_array(value: Any) -> np.ndarray:
