@@ -8,7 +8,7 @@ resamples blocks of ``--block`` consecutive iterations of the chain's energy (2,
 seed 0), counts only the energy differences inside a block in the numerator (rescaled to the
 chain's number of differences), and reports the bootstrap standard deviation and 90% interval.
 
-    python comparisons/ebfmi_noise.py --checkpoint results/checkpoints/wine_split5_seed0_k64.pt --draws 700
+    python comparisons/research/ebfmi_noise.py --checkpoint results/checkpoints/wine_split5_seed0_k64.pt --draws 700
 
 With ``--window N`` it asks instead whether a chain's E-BFMI is a property of the chain or noise:
 for every checkpoint given, each chain's E-BFMI over two disjoint windows of N draws (the first
@@ -18,7 +18,7 @@ chains (:func:`~pyrobdl.diagnostics.certification.ebfmi_pooled`, what certificat
 default); then the same pooled over every checkpoint's chains.  If the chains differed, the
 windows would correlate and the spread between chains would exceed the noise:
 
-    python comparisons/ebfmi_noise.py --window 300 --checkpoint results/checkpoints/wine_split1{0,1,2,3,4,5,6,7}_seed0_k64.pt
+    python comparisons/research/ebfmi_noise.py --window 300 --checkpoint results/checkpoints/wine_split1{0,1,2,3,4,5,6,7}_seed0_k64.pt
 
 With ``--synthetic`` (no checkpoint) it measures the certification's outlying-chain E-BFMI test
 (:func:`~pyrobdl.diagnostics.energy.ebfmi_outliers`) and the R-hat readings on synthetic chains
@@ -27,7 +27,7 @@ reference, and stuck chains"): the AR(1) noise model against the wine measuremen
 chains among 63 at 0.5, false alarms among well-mixed chains, and split / nested R-hat of a few
 chains stuck in a shifted mode:
 
-    python comparisons/ebfmi_noise.py --synthetic
+    python comparisons/research/ebfmi_noise.py --synthetic
 """
 
 from __future__ import annotations
