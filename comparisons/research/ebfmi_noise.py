@@ -3,7 +3,7 @@ checkpoint, with a moving-block bootstrap standard error for the chains nearest 
 
 The certification asks E-BFMI >= 0.2 in *every* chain (docs/diagnostics.md). With 64 chains of a
 few hundred draws, a chain near the line may cross it as draws accumulate (wine splits 1, 3 and 5
-in docs/results.md). This script measures the sampling noise of the per-chain estimate: it
+in docs/results/wine.md). This script measures the sampling noise of the per-chain estimate: it
 resamples blocks of ``--block`` consecutive iterations of the chain's energy (2,000 resamples,
 seed 0), counts only the energy differences inside a block in the numerator (rescaled to the
 chain's number of differences), and reports the bootstrap standard deviation and 90% interval.
@@ -69,8 +69,8 @@ def window_stats(a: np.ndarray, b: np.ndarray) -> str:
 
 def windows(paths: list[str], n: int) -> None:
     """Per-chain E-BFMI over draws 1..n and n+1..2n of each checkpoint: do the two agree?"""
-    print(f"| checkpoint | chains | median, window 1 / 2 | smallest, window 1 / 2 (chain) | correlation | noise sd | "
-          f"sd between chains | pooled, window 1 / 2 | below 0.2, window 1 / 2 |")
+    print("| checkpoint | chains | median, window 1 / 2 | smallest, window 1 / 2 (chain) | correlation | noise sd | "
+          "sd between chains | pooled, window 1 / 2 | below 0.2, window 1 / 2 |")
     print("|---|---|---|---|---|---|---|---|---|")
     first, second = [], []
     for path in paths:

@@ -5,7 +5,7 @@ Runs ``fit(method="chees")`` on one UCI split with the reference protocol's mode
 its spread within chains against the spread of the chains' means, its R-hat and ESS, and the same
 for log τ (the learned noise precision) with the correlation of the chains' mean ℓ and mean log τ.
 Replica exchange can move a state along its ladder only as fast as the local sampler changes the
-state's ℓ (docs/results.md, "Round trips"); this measures how fast that is.
+state's ℓ (docs/results/narrow_posteriors.md, "Round trips"); this measures how fast that is.
 
     python comparisons/research/likelihood_levels.py --data-dir ../shared/datasets --dataset yacht --split 0 \
         --chains 32 --warmup 300 --samples 300 --compile

@@ -1,6 +1,6 @@
 """Sequential Monte Carlo from the prior to the posterior: do independent runs agree on yacht?  A probe.
 
-Every MCMC lever measured on the narrow UCI datasets (docs/results.md) failed for the same reason:
+Every MCMC lever measured on the narrow UCI datasets (docs/results/narrow_posteriors.md) failed for the same reason:
 chains stay in the function-space mode they first fall into, so chains from different starts
 disagree (split R-hat 1.3-1.6, and nested R-hat 1.02-1.10 over superchains) and no budget tried
 made them cross.  A tempered SMC sampler does not need any particle to cross: K particles drawn

@@ -6,7 +6,7 @@ step of the first half and divided by it in the second half, so the kinetic ener
 ``(F - 1)`` times its kinetic energy higher than plain HMC before it cools again; the map stays
 reversible and volume-preserving (as many multiplications as divisions), so the usual
 Metropolis test on the Hamiltonian keeps the posterior exact.  The question: can this move a
-chain of yacht's posterior to another likelihood level (docs/results.md, "Round trips")?
+chain of yacht's posterior to another likelihood level (docs/results/narrow_posteriors.md, "Round trips")?
 
 Two parts:
 
