@@ -11,7 +11,7 @@ split and nested R-hat (nested R-hat certifies only chains started in superchain
 ``--superchain-starts``), and the cost (chain-gradients, process CPU seconds, wall seconds).  One
 JSON line per split goes to ``--out`` as soon as the split is done; a rerun skips the splits
 already there, so an interrupted run loses nothing.  ``--table`` prints the Markdown table of
-``docs/results.md``.
+``docs/results/references.md``.
 
 Usage (from the repository root)::
 

@@ -1,4 +1,4 @@
-r"""One Markdown table across datasets from a UCI suite's results folder (docs/results.md).
+r"""One Markdown table across datasets from a UCI suite's results folder (docs/results/uci.md).
 
 For every (dataset, method) of the stored cells that finished: the number of splits, RMSE, test
 log-likelihood and 90% interval coverage as mean ± standard error over splits (the report's own

@@ -1,7 +1,7 @@
 """The chain-mean outlier test (``pyrobdl.diagnostics.chain_outliers``) and how ``certify`` uses it:
 a few chains stuck in a shifted mode fail REFERENCE_CRITERIA though every R-hat passes them;
 well-mixed chains pass (docs/diagnostics.md, "One set of criteria for every reference, and stuck
-chains"; the numbers there are from ``comparisons/stuck_chains.py``)."""
+chains"; the numbers there are from ``comparisons/research/stuck_chains.py``)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ QUANTITIES = 50
 
 def chains(k: int, d: int = 300, *, rho: float = 0.0, t5: bool = False, seed: int = 0) -> np.ndarray:
     """``[k, d, 50]`` stationary draws of unit variance, iid or AR(1), Gaussian or Student-t 5
-    (as ``comparisons/stuck_chains.py`` builds them)."""
+    (as ``comparisons/research/stuck_chains.py`` builds them)."""
     rng = np.random.default_rng(seed)
     e = rng.standard_t(5, size=(k, d, QUANTITIES)) / np.sqrt(5 / 3) if t5 else rng.normal(size=(k, d, QUANTITIES))
     if rho:
@@ -86,7 +86,7 @@ def test_a_few_stuck_chains_fail_the_reference_criteria_though_every_rhat_passes
 def test_stuck_chains_among_autocorrelated_chains_are_flagged():
     """AR(1) chains with rho = 0.8 (ESS ~33 per chain of 300 draws): 4 of 64 at 0.5 sd are ~2.9
     noise sd away in each quantity, and the largest of 50 quantities lies 4.7-6.0 sd out in
-    comparisons/stuck_chains.py's seeds; here (seed 1) above the threshold.  REFERENCE_CRITERIA
+    comparisons/research/stuck_chains.py's seeds; here (seed 1) above the threshold.  REFERENCE_CRITERIA
     fails such chains on split R-hat anyway (1.04-1.05: 300 draws at rho = 0.8 are too few)."""
     x = stuck(chains(64, rho=0.8, seed=1), [0, 8, 16, 24], 0.5)
     found = chain_outliers(x)
@@ -109,7 +109,7 @@ def test_false_alarm_rate_of_well_mixed_chains_is_at_most_about_alpha():
     """20 runs each of 64 x 300 and 512 x 300 chains, iid and AR(1) rho = 0.8, Gaussian and
     Student-t 5 (160 runs): at alpha = 0.01 about 1.6 false alarms are expected if the rate is
     alpha; at most 5 are allowed (P(>= 6 | Bin(160, 0.01)) = 0.006).  Measured (other seeds,
-    comparisons/stuck_chains.py) in docs/diagnostics.md."""
+    comparisons/research/stuck_chains.py) in docs/diagnostics.md."""
     flagged = 0
     for k in (64, 512):
         for rho in (0.0, 0.8):

@@ -1,4 +1,4 @@
-"""The tempered-SMC probe (comparisons/smc_tempering.py) checks itself on exact Bayesian linear
+"""The tempered-SMC probe (comparisons/research/smc_tempering.py) checks itself on exact Bayesian linear
 regression before anyone reads its yacht figures: its particles match the closed-form posterior
 and its log evidence the closed-form marginal likelihood, and halving the reweighting exponent
 moves the evidence far outside the runs' error (so the check can fail)."""
@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "comparisons" / "smc_tempering.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "comparisons" / "research" / "smc_tempering.py"
 
 
 def test_smc_probe_recovers_the_exact_blr_posterior_and_evidence():

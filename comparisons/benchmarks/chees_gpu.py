@@ -27,7 +27,7 @@ Usage (on a machine with CUDA; NumPyro and JAX from ``pip install -e '.[bench]'`
     python comparisons/benchmarks/chees_gpu.py --part numpyro --out numpyro.jsonl &
     python comparisons/benchmarks/chees_gpu.py --part micro e2e --numpyro-results numpyro.jsonl --out gpu.jsonl
 
-The figures of the issue-11 session that had an H100 are in ``docs/benchmarks.md``.
+The figures of the issue-11 session that had an H100 are in ``docs/benchmarks/chees_gpu.md``.
 """
 
 from __future__ import annotations

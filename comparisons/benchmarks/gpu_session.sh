@@ -1,7 +1,7 @@
 #!/bin/bash
 # Issue 11's GPU checks in one call, for a machine with CUDA, PyTorch, JAX and NumPyro but no
 # package index (the lent H100/H200 machines): the CUDA tests; chees end to end on the GPU at
-# K = 4,096 with NumPyro NUTS on the host CPU beside it (docs/benchmarks.md, "On an NVIDIA H100
+# K = 4,096 with NumPyro NUTS on the host CPU beside it (docs/benchmarks/chees_gpu.md, "On an NVIDIA H100
 # again", where K = 2,048 was measured); then, in the time left, a UCI wine reference on the GPU.
 #
 # Before the call, on a machine with pip (the wheels are pure Python; platformdirs is what

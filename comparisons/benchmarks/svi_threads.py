@@ -1,6 +1,6 @@
 """One against two torch threads for ``pyrobdl.fit`` (mean-field), interleaved; CPU and wall time.
 
-The measurement behind ``fit(threads="auto")`` (docs/benchmarks.md, "Threads").
+The measurement behind ``fit(threads="auto")`` (docs/benchmarks/svi.md, "Threads").
 
 Usage::
 

@@ -25,7 +25,7 @@ and chain :math:`k` is flagged when :math:`\max_q |z_{kq}| > z_{K,Q} = \Phi^{-1}
   relative sampling error is about :math:`1.17/\sqrt{K}` (15% at K = 64), and the largest of
   :math:`K Q` scores divided by it is far more often above the Bonferroni threshold than
   :math:`\alpha` (measured on exact Gaussian chain means of 50 quantities: a chain flagged in
-  22% of runs at K = 64, 2% at K = 512, 86% at K = 16; ``comparisons/stuck_chains.py``).
+  22% of runs at K = 64, 2% at K = 512, 86% at K = 16; ``comparisons/research/stuck_chains.py``).
   (b) A floor, the within-chain standard deviation over the square root of the
   **within-chain** ESS of one chain: :math:`W_q` the mean within-chain variance,
   :math:`\mathrm{ESS}^{\mathrm{chain}}_q` Geyer's ESS of the chains centred on their own

@@ -42,7 +42,7 @@ register_svi_method(
 
 # Same family and initialisation as "mean_field"; only the gradient estimator differs
 # (docs/methods/bbvi.md).  Defaults are the best measured at matched gradient budgets
-# (comparisons/bbvi_budget.py): the leave-one-out baseline needs >= 2 particles, and at a fixed
+# (comparisons/research/bbvi_budget.py): the leave-one-out baseline needs >= 2 particles, and at a fixed
 # number of gradient evaluations 4 particles x more steps beat 16 particles x fewer steps.
 register_svi_method(
     "bbvi",

@@ -17,9 +17,9 @@ so tau_std = tau * sigma_y^2 on the standardised targets).
 
 Usage (from the repository root)::
 
-    nice -n 10 python comparisons/gradient_variance.py --data-dir ../shared/datasets \
+    nice -n 10 python comparisons/research/gradient_variance.py --data-dir ../shared/datasets \
         --out results/gradient_variance.json
-    nice -n 10 python comparisons/gradient_variance.py --step-times   # BBVI step time, start vs end
+    nice -n 10 python comparisons/research/gradient_variance.py --step-times   # BBVI step time, start vs end
 
 The Markdown tables are printed and written next to ``--out`` (``.md``).  The step budget of each
 method is calibrated from a short timing run, so the number of steps depends on the machine;

@@ -28,7 +28,7 @@ weights; ``(c a_j, v_j / c)`` gives the same function for every c > 0, so only t
 decides where on the orbit a chain is), and the unit's size ``log(|a_j| |v_j|)``, which the
 function does see.
 
-    python comparisons/posterior_geometry.py --data-dir ../shared/datasets --dataset yacht --split 0 \
+    python comparisons/research/posterior_geometry.py --data-dir ../shared/datasets --dataset yacht --split 0 \
         --chains 16 --warmup 300 --samples 100 --compile
 """
 
@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # comparisons/: uci_references
 from uci_references import make_model  # noqa: E402
 
 import pyrobdl  # noqa: E402

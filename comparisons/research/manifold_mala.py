@@ -1,7 +1,7 @@
 """Does a metric that follows the position move yacht's chains faster?  A probe of simplified
 manifold MALA with the Gauss–Newton (Fisher) metric.
 
-``comparisons/posterior_geometry.py`` found yacht's posterior ~6,400 leapfrog steps per
+``comparisons/research/posterior_geometry.py`` found yacht's posterior ~6,400 leapfrog steps per
 independent draw from well conditioned under the diagonal metric chees adapts, and its stiff
 directions turning as a chain moves, so that no fixed metric (diagonal, dense, per chain) does
 better.  A metric evaluated *at the current point* follows the turn.  The full Riemannian HMC
@@ -28,7 +28,7 @@ R-hat and bulk ESS of f at the held-back inputs, the log-likelihood's R-hat and 
 cost; and, first, how well G describes the curvature where the chains are (the eigenvalues of the
 exact Hessian whitened by G, all 1 where G is the Hessian).
 
-    python comparisons/manifold_mala.py --data-dir ../shared/datasets --dataset yacht --split 0 \
+    python comparisons/research/manifold_mala.py --data-dir ../shared/datasets --dataset yacht --split 0 \
         --chains 8 --steps 256 --adapt 100 --samples 200 --mala-adapt 300 --mala-samples 1500
 """
 
@@ -38,7 +38,6 @@ import json
 import math
 import os
 import sys
-import time
 from pathlib import Path
 
 import numpy as np

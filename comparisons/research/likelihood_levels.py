@@ -5,9 +5,9 @@ Runs ``fit(method="chees")`` on one UCI split with the reference protocol's mode
 its spread within chains against the spread of the chains' means, its R-hat and ESS, and the same
 for log τ (the learned noise precision) with the correlation of the chains' mean ℓ and mean log τ.
 Replica exchange can move a state along its ladder only as fast as the local sampler changes the
-state's ℓ (docs/results.md, "Round trips"); this measures how fast that is.
+state's ℓ (docs/results/narrow_posteriors.md, "Round trips"); this measures how fast that is.
 
-    python comparisons/likelihood_levels.py --data-dir ../shared/datasets --dataset yacht --split 0 \
+    python comparisons/research/likelihood_levels.py --data-dir ../shared/datasets --dataset yacht --split 0 \
         --chains 32 --warmup 300 --samples 300 --compile
 """
 
@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # comparisons/: uci_references
 from uci_references import make_model  # noqa: E402
 
 import pyrobdl  # noqa: E402

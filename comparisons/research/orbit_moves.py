@@ -3,7 +3,7 @@
 A ReLU unit computes the same function when its incoming weights and bias ``a_j`` (D + 1 numbers)
 are multiplied by ``c > 0`` and its outgoing weights ``v_j`` (one per output) divided by ``c``:
 relu(c z) = c relu(z).  The likelihood is constant along these orbits, so only the prior and the
-volume decide where on its orbit a unit sits; ``comparisons/posterior_geometry.py`` measured the
+volume decide where on its orbit a unit sits; ``comparisons/research/posterior_geometry.py`` measured the
 orbit positions log(|a_j| / |v_j|) mixing as slowly as everything else on yacht (split R-hat 1.83).
 
 The move (a generalised Gibbs step, Liu & Sabatti 2000): the rescalings form a group, positive
@@ -19,15 +19,15 @@ the largest term (the likelihood's invariance and the prior algebra); (2) the mo
 prior: prior draws moved once keep the means of v² and log|a| within 4 standard errors, and the
 same check with the exponent p off by 1/2 fails it (so the check can see a wrong Jacobian).
 
-Then the same plain HMC as ``comparisons/dense_metric.py`` (diagonal metric from the starting
+Then the same plain HMC as ``comparisons/research/dense_metric.py`` (diagonal metric from the starting
 draws' cross-chain variance, jittered ``--steps`` leapfrog steps, step size adapted for
 ``--adapt`` iterations, ``--samples`` kept, float64, one thread) from the same warm states —
 chees's chains after 300 + 20 iterations — without and with an orbit move of every unit after
 each transition.  Reported: function-space split R-hat and bulk ESS at the held-back inputs (as
-``comparisons/collapsed_output.py``), the log-likelihood's R-hat and per-chain ESS, the orbit
+``comparisons/research/collapsed_output.py``), the log-likelihood's R-hat and per-chain ESS, the orbit
 positions' R-hat, step size, cost.
 
-    python comparisons/orbit_moves.py --data-dir ../shared/datasets --dataset yacht --split 0 \\
+    python comparisons/research/orbit_moves.py --data-dir ../shared/datasets --dataset yacht --split 0 \\
         --chains 8 --steps 256 --adapt 100 --samples 200
 """
 

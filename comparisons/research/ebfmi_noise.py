@@ -3,12 +3,12 @@ checkpoint, with a moving-block bootstrap standard error for the chains nearest 
 
 The certification asks E-BFMI >= 0.2 in *every* chain (docs/diagnostics.md). With 64 chains of a
 few hundred draws, a chain near the line may cross it as draws accumulate (wine splits 1, 3 and 5
-in docs/results.md). This script measures the sampling noise of the per-chain estimate: it
+in docs/results/wine.md). This script measures the sampling noise of the per-chain estimate: it
 resamples blocks of ``--block`` consecutive iterations of the chain's energy (2,000 resamples,
 seed 0), counts only the energy differences inside a block in the numerator (rescaled to the
 chain's number of differences), and reports the bootstrap standard deviation and 90% interval.
 
-    python comparisons/ebfmi_noise.py --checkpoint results/checkpoints/wine_split5_seed0_k64.pt --draws 700
+    python comparisons/research/ebfmi_noise.py --checkpoint results/checkpoints/wine_split5_seed0_k64.pt --draws 700
 
 With ``--window N`` it asks instead whether a chain's E-BFMI is a property of the chain or noise:
 for every checkpoint given, each chain's E-BFMI over two disjoint windows of N draws (the first
@@ -18,7 +18,7 @@ chains (:func:`~pyrobdl.diagnostics.certification.ebfmi_pooled`, what certificat
 default); then the same pooled over every checkpoint's chains.  If the chains differed, the
 windows would correlate and the spread between chains would exceed the noise:
 
-    python comparisons/ebfmi_noise.py --window 300 --checkpoint results/checkpoints/wine_split1{0,1,2,3,4,5,6,7}_seed0_k64.pt
+    python comparisons/research/ebfmi_noise.py --window 300 --checkpoint results/checkpoints/wine_split1{0,1,2,3,4,5,6,7}_seed0_k64.pt
 
 With ``--synthetic`` (no checkpoint) it measures the certification's outlying-chain E-BFMI test
 (:func:`~pyrobdl.diagnostics.energy.ebfmi_outliers`) and the R-hat readings on synthetic chains
@@ -27,7 +27,7 @@ reference, and stuck chains"): the AR(1) noise model against the wine measuremen
 chains among 63 at 0.5, false alarms among well-mixed chains, and split / nested R-hat of a few
 chains stuck in a shifted mode:
 
-    python comparisons/ebfmi_noise.py --synthetic
+    python comparisons/research/ebfmi_noise.py --synthetic
 """
 
 from __future__ import annotations
@@ -69,8 +69,8 @@ def window_stats(a: np.ndarray, b: np.ndarray) -> str:
 
 def windows(paths: list[str], n: int) -> None:
     """Per-chain E-BFMI over draws 1..n and n+1..2n of each checkpoint: do the two agree?"""
-    print(f"| checkpoint | chains | median, window 1 / 2 | smallest, window 1 / 2 (chain) | correlation | noise sd | "
-          f"sd between chains | pooled, window 1 / 2 | below 0.2, window 1 / 2 |")
+    print("| checkpoint | chains | median, window 1 / 2 | smallest, window 1 / 2 (chain) | correlation | noise sd | "
+          "sd between chains | pooled, window 1 / 2 | below 0.2, window 1 / 2 |")
     print("|---|---|---|---|---|---|---|---|---|")
     first, second = [], []
     for path in paths:

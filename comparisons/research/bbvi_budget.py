@@ -20,11 +20,11 @@ draws (tests/test_bbvi.py), so CPU time is comparable with mean-field's.
 Usage (from the repository root; ``--datasets`` picks a subset, ``--seeds`` the fit seeds;
 the extra seeds run only mean-field and leave-one-out at the largest budget)::
 
-    nice -n 10 python comparisons/bbvi_budget.py --data-dir /work/shared/datasets \
+    nice -n 10 python comparisons/research/bbvi_budget.py --data-dir /work/shared/datasets \
         --datasets blr gap --seeds 0 1 2 --out results/bbvi_budget_synthetic.json
-    nice -n 10 python comparisons/bbvi_budget.py --data-dir /work/shared/datasets \
+    nice -n 10 python comparisons/research/bbvi_budget.py --data-dir /work/shared/datasets \
         --datasets boston --seeds 0 --budgets 1 10 --variance --out results/bbvi_budget_boston.json
-    python comparisons/bbvi_budget.py --figure docs/methods/bbvi_budget.png \
+    python comparisons/research/bbvi_budget.py --figure docs/methods/bbvi_budget.png \
         results/bbvi_budget_synthetic.json results/bbvi_budget_boston.json
 """
 

@@ -6,18 +6,18 @@ step of the first half and divided by it in the second half, so the kinetic ener
 ``(F - 1)`` times its kinetic energy higher than plain HMC before it cools again; the map stays
 reversible and volume-preserving (as many multiplications as divisions), so the usual
 Metropolis test on the Hamiltonian keeps the posterior exact.  The question: can this move a
-chain of yacht's posterior to another likelihood level (docs/results.md, "Round trips")?
+chain of yacht's posterior to another likelihood level (docs/results/narrow_posteriors.md, "Round trips")?
 
 Two parts:
 
 * ``--gaussian``: the Hamiltonian error of tempered trajectories on a 400-dimensional Gaussian
-  whose standard deviations span 1e-3 to 1 (yacht's span of curvatures, comparisons/
+  whose standard deviations span 1e-3 to 1 (yacht's span of curvatures, comparisons/research/
   posterior_geometry.py), for F = 1, 1.2, 4 and several trajectory lengths and step sizes;
-* otherwise: ``comparisons/likelihood_levels.py`` (same arguments) with chees's leapfrog replaced
+* otherwise: ``comparisons/research/likelihood_levels.py`` (same arguments) with chees's leapfrog replaced
   by the tempered one (``--peak-kinetic-factor F``); not a chees option.
 
-    python comparisons/tempered_trajectories.py --gaussian
-    python comparisons/tempered_trajectories.py --peak-kinetic-factor 1.2 --data-dir ../shared/datasets \
+    python comparisons/research/tempered_trajectories.py --gaussian
+    python comparisons/research/tempered_trajectories.py --peak-kinetic-factor 1.2 --data-dir ../shared/datasets \
         --dataset yacht --split 0 --chains 32 --warmup 300 --samples 300 --compile
 """
 

@@ -14,7 +14,7 @@ like the full one.  Checked here, before anything runs: the collapsed value equa
 joint (``FlatLogJoint``, itself proven equal to Pyro's potential) minus the log conditional
 density of any w, to 1e-10 of the largest term (float64).
 
-Then the same plain HMC as ``comparisons/dense_metric.py`` (diagonal metric from the starting
+Then the same plain HMC as ``comparisons/research/dense_metric.py`` (diagonal metric from the starting
 draws' cross-chain variance, jittered ``--steps`` leapfrog steps, step size adapted for
 ``--adapt`` iterations, ``--samples`` kept, float64, one thread) runs from the same warm states
 — chees's chains after 300 + 20 iterations — on the full and on the collapsed coordinates.
@@ -23,7 +23,7 @@ split's first ``--cert-points`` test inputs, as ``uci_references.py`` certifies;
 log-likelihood, and cost (the collapsed gradient is plain autograd, the full one pyrobdl's
 hand-written kernel, so CPU seconds favour the full path).
 
-    python comparisons/collapsed_output.py --data-dir ../shared/datasets --dataset yacht --split 0 \
+    python comparisons/research/collapsed_output.py --data-dir ../shared/datasets --dataset yacht --split 0 \
         --chains 8 --steps 256 --adapt 100 --samples 200
 """
 

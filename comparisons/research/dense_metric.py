@@ -1,6 +1,6 @@
 """Does a dense, per-chain metric from local Hessians move yacht's chains faster?  A probe.
 
-``comparisons/posterior_geometry.py`` found the Hessian of yacht's posterior averaged over a few
+``comparisons/research/posterior_geometry.py`` found the Hessian of yacht's posterior averaged over a few
 earlier draws of a chain conditioning the curvature at its next draw better (sqrt(λ_max/λ_min)
 1,300 against 6,400 for the diagonal metric).  This runs the same plain HMC twice from the same
 warm states — chees's ``num_chains`` chains after 300 warm-up and 20 sampling iterations — once
@@ -13,7 +13,7 @@ chains' mean acceptance, target 0.75) and then keep ``--samples`` draws, float64
 Reported: step size, acceptance, the split R-hat and each chain's own ESS of the log-likelihood
 and of the positions on the hidden units' ReLU rescaling orbits (posterior_geometry.py), cost.
 
-    python comparisons/dense_metric.py --data-dir ../shared/datasets --dataset yacht --split 0 \
+    python comparisons/research/dense_metric.py --data-dir ../shared/datasets --dataset yacht --split 0 \
         --chains 8 --steps 256 --adapt 100 --samples 200
 """
 

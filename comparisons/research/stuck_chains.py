@@ -13,8 +13,8 @@ variance, Gaussian or Student-t with 5 degrees of freedom (scaled to unit varian
 * **false alarms**: well-mixed chains, in how many of ``--runs`` runs some chain is flagged, and
   the range of the largest score against the threshold.
 
-    python comparisons/stuck_chains.py            # both tables
-    python comparisons/stuck_chains.py --quick    # fewer seeds and runs (a smoke test)
+    python comparisons/research/stuck_chains.py            # both tables
+    python comparisons/research/stuck_chains.py --quick    # fewer seeds and runs (a smoke test)
 """
 
 from __future__ import annotations

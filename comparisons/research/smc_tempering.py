@@ -1,6 +1,6 @@
 """Sequential Monte Carlo from the prior to the posterior: do independent runs agree on yacht?  A probe.
 
-Every MCMC lever measured on the narrow UCI datasets (docs/results.md) failed for the same reason:
+Every MCMC lever measured on the narrow UCI datasets (docs/results/narrow_posteriors.md) failed for the same reason:
 chains stay in the function-space mode they first fall into, so chains from different starts
 disagree (split R-hat 1.3-1.6, and nested R-hat 1.02-1.10 over superchains) and no budget tried
 made them cross.  A tempered SMC sampler does not need any particle to cross: K particles drawn
@@ -34,8 +34,8 @@ particles' mean and covariance match the closed form within their Monte Carlo er
 evidence matches the closed form log N(y | 0, s² Φ Φᵀ + I/β) within the runs' spread; the same
 check with the reweighting exponent halved fails it (so the check can see a wrong weight).
 
-    python comparisons/smc_tempering.py --check
-    python comparisons/smc_tempering.py --data-dir ../shared/datasets --dataset yacht --split 0 \\
+    python comparisons/research/smc_tempering.py --check
+    python comparisons/research/smc_tempering.py --data-dir ../shared/datasets --dataset yacht --split 0 \\
         --runs 4 --particles 128 --moves 5 --steps 64 --compile
 """
 
@@ -52,7 +52,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # comparisons/: uci_references
 from uci_references import make_model  # noqa: E402
 
 import pyrobdl  # noqa: E402
