@@ -275,6 +275,7 @@ quiet_fit(small_mlp(), x, y, checkpoint={path!r}, checkpoint_every_s=0, **{{**BA
 """
 
 
+@pytest.mark.slow  # over 20 s on a loaded core: the slow run (CI runs it too) keeps the default run under 5 minutes
 def test_a_real_sigkill_at_any_moment_resumes_to_the_same_draws(tmp_path):
     """A separate process killed with SIGKILL (no exception, no cleanup; possibly while it writes
     the checkpoint) as soon as its first checkpoint exists: the run resumed here equals the run
@@ -322,6 +323,7 @@ def _reference_script(data_dir, tmp_path, *extra: str, out: str = "refs.jsonl"):
     return done, rows
 
 
+@pytest.mark.slow  # over 20 s on a loaded core: the slow run (CI runs it too) keeps the default run under 5 minutes
 def test_the_reference_script_samples_until_certified_through_chees(data_dir, tmp_path):
     """comparisons/uci_references.py --extend-to is chees's own max_num_samples (certify_rhat from
     --extend-until, at the held-back inputs): a tiny yacht run is never certified, so every round

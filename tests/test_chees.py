@@ -1142,6 +1142,7 @@ def test_adapted_ladder_equalises_exchanges_and_keeps_the_posterior(blr):
     assert adapted.cost.gradient_evaluations >= 64 * leapfrogs + 3 * 64
 
 
+@pytest.mark.slow  # over 20 s on a loaded core: the slow run (CI runs it too) keeps the default run under 5 minutes
 def test_replica_exchange_crosses_between_modes():
     """A 1x1 tanh network has two exactly symmetric weight-space modes, (w0, b0, w1) and (-w0, -b0,
     -w1), the same function, separated by a barrier of hundreds of nats: chains without tempering

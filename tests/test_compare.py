@@ -569,6 +569,7 @@ def test_quickstart_names_every_registered_method():
     assert set(pyrobdl.methods()) <= named, f"quickstart.toml misses {set(pyrobdl.methods()) - named}"
 
 
+@pytest.mark.slow  # over 20 s on a loaded core: the slow run (CI runs it too) keeps the default run under 5 minutes
 def test_quickstart_suite_end_to_end_small(tmp_path):
     """The README's job (compare + report) on the quickstart suite, CI-sized (< ~30 s)."""
     from pyrobdl.cli import main

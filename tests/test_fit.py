@@ -72,6 +72,7 @@ def test_mean_field_reaches_optimal_mean_field_solution(blr, options):
     assert posterior.history[-100:].mean() > posterior.history[:100].mean()
 
 
+@pytest.mark.slow  # over 20 s on a loaded core: the slow run (CI runs it too) keeps the default run under 5 minutes
 def test_same_guide_with_plain_pyro_svi(blr):
     model = blr_model()
     guide = pyrobdl.guides.MeanField(model, init_scale=1e-2)

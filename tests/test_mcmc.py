@@ -144,6 +144,7 @@ def exact_precision_posterior(x: torch.Tensor, y: torch.Tensor, a: float, b: flo
     return mean, float(np.sqrt((w * (tau - mean) ** 2).sum()))
 
 
+@pytest.mark.slow  # over 20 s on a loaded core: the slow run (CI runs it too) keeps the default run under 5 minutes
 def test_learned_precision_posterior():
     data = bayesian_linear_regression(200, 10, 3, prior_scale=PRIOR_SCALE, precision=PRECISION, seed=1)
     a, b = 2.0, 0.2  # prior mean 10, sd 7: weak next to 200 points

@@ -10,9 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "comparisons" / "research" / "smc_tempering.py"
 
 
+@pytest.mark.slow  # a research probe's self-check, 40 s on a loaded core: in the slow run (CI runs it too)
 def test_smc_probe_recovers_the_exact_blr_posterior_and_evidence():
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--check", "--runs", "16", "--particles", "256", "--moves", "3",
