@@ -25,6 +25,7 @@ import torch
 from matplotlib.figure import Figure
 
 from .._validation import check_data
+from .._version import __version__
 from ..posterior import Posterior
 
 with warnings.catch_warnings():
@@ -222,11 +223,9 @@ def _jsonable(value: Any) -> Any:
 
 
 def _library_versions() -> dict[str, str]:
-    import pyrobdl  # the package is fully imported by the time anything here runs
-
     # str(): torch.__version__ is a str subclass that netCDF writers cannot store
     return {
-        "pyrobdl_version": str(pyrobdl.__version__),
+        "pyrobdl_version": str(__version__),
         "pyro_version": str(pyro.__version__),
         "torch_version": str(torch.__version__),
         "numpy_version": str(np.__version__),

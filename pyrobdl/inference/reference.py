@@ -41,6 +41,7 @@ import pyro
 import torch
 
 from .. import likelihoods as _likelihoods
+from .._version import __version__
 from .._validation import check_data, check_inputs
 from ..diagnostics.certification import Certification
 from ..posterior import Cost, Prediction, predictive_from_draws
@@ -316,17 +317,11 @@ def run_reference(
         ),
         "data": {"num_train": int(x_t.shape[0]), "x_sha256": _fingerprint(x_t), "y_sha256": _fingerprint(y_t),
                  "x_eval_sha256": _fingerprint(x_eval_t)},
-        "versions": {"pyrobdl": _version(), "pyro": pyro.__version__, "torch": torch.__version__},
+        "versions": {"pyrobdl": __version__, "pyro": pyro.__version__, "torch": torch.__version__},
     }
     _atomic_write(npz, data)
     _atomic_write(sidecar, (json.dumps(metadata, indent=1, sort_keys=True) + "\n").encode())
     return load_reference(npz, model=model)
-
-
-def _version() -> str:
-    import pyrobdl  # imported late: this module is imported while ``pyrobdl`` initialises
-
-    return pyrobdl.__version__
 
 
 def load_reference(path: str | os.PathLike, *, model: Any | None = None) -> Reference:
