@@ -30,6 +30,7 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from .._io import WriteError, atomic_write_bytes, lock_exclusive
+from .._saved import _jsonable, model_spec
 
 __all__ = ["CheckpointError", "CheckpointLockedError", "SamplerCheckpoint", "run_identity"]
 
@@ -73,8 +74,6 @@ def run_identity(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[
     dict
         JSON-serialisable.
     """
-    from ..saving import _jsonable, model_spec
-
     skip = set(exclude)
     return {
         "model": model_spec(model),
