@@ -98,6 +98,18 @@ def write_posterior(posterior: Any, path: str | os.PathLike[str]) -> Path:
     ``_state``, ``model``, ``settings``, ``cost``, ``history``, ``diagnostics`` and
     ``certification``).
 
+    Parameters
+    ----------
+    posterior : pyrobdl.Posterior
+        Any registered method's result.
+    path : str or os.PathLike
+        Folder to write; an existing save there is replaced only once the new one is complete.
+
+    Returns
+    -------
+    pathlib.Path
+        ``path``.
+
     Raises
     ------
     TypeError
