@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping
 
 import numpy as np
 import pyro
@@ -18,7 +18,7 @@ import torch
 
 from ._validation import check_inputs
 
-if TYPE_CHECKING:  # diagnostics imports this module
+if TYPE_CHECKING:
     from .diagnostics.certification import Certification
 
 __all__ = ["Cost", "Posterior", "Prediction", "SVIPosterior"]
@@ -179,9 +179,9 @@ class Posterior:
         -------
         pathlib.Path
         """
-        from .saving import save_posterior
+        from ._saved import write_posterior
 
-        return save_posterior(self, path)
+        return write_posterior(self, path)
 
     def sample(self, num_samples: int, *, seed: int | None = None) -> dict[str, torch.Tensor]:
         """Draw weights (and likelihood latents) from the posterior.
@@ -304,6 +304,12 @@ class SVIPosterior(Posterior):
         The trained Pyro guide, usable with ``pyro.infer.Predictive``.
     """
 
+    #: How a loaded SVI posterior rebuilds its guide: ``guide_builder(method, model, settings)``
+    #: returns a fresh guide of the method named ``method`` with the saved ``settings``.  The
+    #: method registry lives above this contract (docs/architecture.md), so it installs itself
+    #: here when imported (:func:`pyrobdl.inference.registry.install_guide_builder`); None before.
+    guide_builder: ClassVar[Callable[[str, Any, Mapping[str, Any]], Any] | None] = None
+
     def __init__(self, model: Any, guide: Any, **kwargs: Any) -> None:
         super().__init__(model, **kwargs)
         self.guide = guide
@@ -318,17 +324,10 @@ class SVIPosterior(Posterior):
     @classmethod
     def _from_state(cls, model: Any, tensors: Mapping[str, torch.Tensor], extra: Mapping[str, Any],
                     common: Mapping[str, Any]) -> SVIPosterior:
-        from .inference import get_method
-        from .saving import lost_in_json
-
-        method = get_method(common["method"])
-        if method.build_guide is None:
-            raise ValueError(f"method {common['method']!r} has no guide to rebuild")
-        settings = common["settings"]
-        options = {**method.options,
-                   **{k: v for k, v in settings.items() if k in method.options and not lost_in_json(v)}}
-        with torch.random.fork_rng(devices=[]):  # the guide's initial values are overwritten anyway
-            guide = method.build_guide(model, options).to(model.device)
+        if cls.guide_builder is None:
+            raise RuntimeError("rebuilding an SVI posterior's guide needs the method registry: import "
+                               "pyrobdl.inference first (pyrobdl.load_posterior does)")
+        guide = cls.guide_builder(common["method"], model, common["settings"])
         try:
             guide.load_state_dict(dict(tensors), strict=True)
         except RuntimeError as e:

@@ -358,3 +358,17 @@ def test_diagnostics_on_every_device(device):
     scores = pyrobdl.diagnostics.evaluate(posterior, xd, yd, reference=posterior, num_samples=8)
     assert all(np.isfinite(v) for v in scores.values())
     assert "vi_pareto_k" in fit_diagnostics(posterior, xd, yd, num_samples=8)
+
+
+def test_the_adapter_refuses_what_is_not_a_posterior():
+    # the adapter sits below the posterior contract (docs/architecture.md) and checks the hooks it
+    # reads instead of the class: a guide, a dict or a posterior class itself is refused
+    from pyrobdl.diagnostics.arviz_adapter import chain_draws, to_inference_data
+    from pyrobdl.posterior import SVIPosterior
+
+    x, y = torch.zeros(3, 1), torch.zeros(3)
+    for wrong in ({"model": None}, SVIPosterior, object()):
+        with pytest.raises(TypeError, match="must be a pyrobdl Posterior"):
+            to_inference_data(wrong, x, y, 8)
+        with pytest.raises(TypeError, match="must be a pyrobdl Posterior"):
+            chain_draws(wrong, 8)

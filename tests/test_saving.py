@@ -115,3 +115,20 @@ def test_save_and_load_errors(tmp_path):
     (path / "posterior.json").write_text(json.dumps({**meta, "format_version": 99}))
     with pytest.raises(ValueError, match="version 99"):
         pyrobdl.load_posterior(path)
+
+
+def test_an_svi_guide_is_rebuilt_through_the_registry_hook(tmp_path, monkeypatch):
+    # the posterior contract does not import the registry (docs/architecture.md): a loaded SVI
+    # posterior rebuilds its guide through SVIPosterior.guide_builder, which load_posterior installs
+    from pyrobdl.posterior import SVIPosterior
+
+    x, y = data("regression")
+    posterior = pyrobdl.fit(model_for("mean_field", "regression"), x, y, "mean_field", seed=0, progress=False,
+                            **tiny("mean_field"))
+    path = posterior.save(tmp_path / "saved")
+    monkeypatch.setattr(SVIPosterior, "guide_builder", None)
+    with pytest.raises(RuntimeError, match="needs the method registry"):
+        SVIPosterior._from_state(posterior.model, {}, {}, {"method": "mean_field", "settings": {}})
+    loaded = pyrobdl.load_posterior(path)
+    assert SVIPosterior.guide_builder is not None
+    torch.testing.assert_close(loaded.predict(x, 8, seed=1).mean, posterior.predict(x, 8, seed=1).mean)

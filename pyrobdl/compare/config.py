@@ -64,6 +64,7 @@ from .. import likelihoods as _likelihoods
 from .. import priors as _priors
 from ..inference import get_method, methods
 from ..model import ACTIVATIONS
+from .published import PUBLISHED
 from .sources import SOURCES
 
 if sys.version_info >= (3, 11):
@@ -180,7 +181,7 @@ class MethodEntry:
     model : Mapping[str, Any]
         Model overrides for this method.
     published : tuple of str
-        Keys of published rows (:data:`pyrobdl.report.published.PUBLISHED`) to compare with.
+        Keys of published rows (:data:`pyrobdl.compare.published.PUBLISHED`) to compare with.
     gradient_variance : bool
         Whether the gradient-variance diagnostic runs after the fit.
     resources : Mapping[str, float]
@@ -379,8 +380,6 @@ def _str_list(errors: _Errors, where: str, value: Any) -> tuple[str, ...]:
 
 
 def _parse_methods(errors: _Errors, raw: Any) -> list[MethodEntry]:
-    from ..report.published import PUBLISHED  # data only (imported here: report imports compare)
-
     if not isinstance(raw, dict) or not raw:
         errors.add("methods", "at least one [methods.<label>] table is required")
         return []

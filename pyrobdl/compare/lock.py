@@ -22,6 +22,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from .._io import lock_exclusive
 from .store import ResultsError
 
 __all__ = ["LOCK_FILE", "FolderLockedError", "OutFolderError", "RunLock", "check_out_folder", "lock_exclusive"]
@@ -71,37 +72,6 @@ def check_out_folder(out: str | Path) -> Path:
     except OSError as e:
         raise OutFolderError(f"--out {out}: cannot write in it: {e.strerror or e}") from None
     return out
-
-
-def lock_exclusive(path: str | Path) -> int:
-    """Open (creating) ``path`` and take an exclusive, non-blocking :func:`fcntl.flock` on it.
-
-    Returns
-    -------
-    int
-        The open descriptor; closing it releases the lock (the kernel also does when the process
-        ends in any way).  Without :mod:`fcntl` (Windows) the descriptor holds no lock.
-
-    Raises
-    ------
-    BlockingIOError
-        When another process holds the lock (nothing stays open).
-    OSError
-        When the file cannot be created or locked; ``filename`` is None for a failed lock.
-    """
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - Windows: no flock
-        return fd
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        os.close(fd)
-        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            raise BlockingIOError(e.errno, e.strerror) from None
-        raise
-    return fd
 
 
 class RunLock:

@@ -52,10 +52,12 @@ import re
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 import torch
+
+from .._io import WriteError, atomic_write, atomic_write_bytes, file_sha256, new_run_id
 
 __all__ = [
     "RESULT_FILE",
@@ -94,143 +96,9 @@ class ResultsError(RuntimeError):
     """A results folder that cannot be used as is (corrupt or stale records, nothing to report)."""
 
 
-class WriteError(RuntimeError):
-    """Writing a file of the results folder failed (disk full, I/O error, no permission).
-
-    Parameters
-    ----------
-    path : str
-        The file that could not be written.
-    reason : str
-        The operating system's error, e.g. ``"[Errno 28] No space left on device"``.
-    """
-
-    def __init__(self, path: str, reason: str) -> None:
-        super().__init__(str(path), str(reason))
-        self.path, self.reason = str(path), str(reason)
-
-    def __str__(self) -> str:
-        return f"cannot write {self.path}: {self.reason}"
-
-
-def new_run_id() -> str:
-    """A fresh run id (``r`` + 12 hex digits); temporary files carry the id of their run."""
-    return "r" + uuid.uuid4().hex[:12]
-
-
 def config_hash(spec: Mapping[str, Any]) -> str:
     """SHA-256 of a resolved cell configuration (canonical JSON, sorted keys)."""
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
-
-
-def file_sha256(path: Path) -> str:
-    """SHA-256 of a file's bytes (read in 1 MiB blocks)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:  # e.g. Windows cannot open folders; the rename itself is still atomic
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: Path, data: bytes, *, owner: str | None = None) -> str:
-    """Write ``data`` to ``path`` atomically and durably; return its SHA-256.
-
-    Parameters
-    ----------
-    path : pathlib.Path
-        Destination (its folder is created).
-    data : bytes
-        The complete contents.
-    owner : str, optional
-        Run id (:func:`new_run_id`) that owns the temporary file; default a fresh one.
-
-    Raises
-    ------
-    WriteError
-        If any step fails (the folder cannot be created, the disk is full, an I/O or permission
-        error); the message names ``path``.  The destination is then unchanged.
-    """
-    path = Path(path)
-    tmp = path.parent / f".{path.name}.tmp-{owner or new_run_id()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-    except OSError as e:
-        raise WriteError(str(path), f"[Errno {e.errno}] {e.strerror or e}" if e.errno else str(e)) from e
-    finally:
-        try:
-            tmp.unlink()
-        except FileNotFoundError:
-            pass
-        except OSError:  # a read-only or vanished folder: nothing more to clean up
-            pass
-    return hashlib.sha256(data).hexdigest()
-
-
-def atomic_write(path: Path, writer: Callable[[Path], Any], *, owner: str | None = None) -> Path:
-    """Create ``path`` atomically: ``writer(tmp)`` writes a temporary file that is then renamed.
-
-    Prefer :func:`atomic_write_bytes` for anything whose serialiser can write to memory: a library
-    writing a file itself may fail in ways that are not exceptions.
-
-    Parameters
-    ----------
-    path : pathlib.Path
-        Destination.
-    writer : callable
-        ``writer(tmp_path)`` writes the complete file at ``tmp_path`` (same folder).
-    owner : str, optional
-        Run id that owns the temporary file.
-
-    Returns
-    -------
-    pathlib.Path
-        ``path``.
-
-    Raises
-    ------
-    WriteError
-        If writing, flushing or renaming fails with an ``OSError`` (naming ``path``).
-    """
-    path = Path(path)
-    tmp = path.parent / f".{path.name}.tmp-{owner or new_run_id()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        writer(tmp)
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-    except OSError as e:
-        raise WriteError(str(path), f"[Errno {e.errno}] {e.strerror or e}" if e.errno else str(e)) from e
-    finally:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
-    return path
 
 
 def jsonable(obj: Any, *, max_elements: int = 100_000) -> Any:

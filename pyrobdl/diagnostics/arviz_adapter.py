@@ -25,7 +25,7 @@ import torch
 from matplotlib.figure import Figure
 
 from .._validation import check_data
-from ..posterior import Posterior
+from .._version import __version__
 
 with warnings.catch_warnings():
     # ArviZ 0.23 announces its 1.0 rewrite with a FutureWarning on import (DESIGN.md traps).
@@ -107,8 +107,17 @@ def bfmi(energy: Any) -> np.ndarray:
 # ----------------------------------------------------------------------------- draws
 
 
+#: What this module reads of a posterior: the hooks and fields of
+#: :class:`pyrobdl.posterior.Posterior`.  It sits below the posterior contract
+#: (docs/architecture.md: ``Posterior.to_inference_data`` calls down to it), so it checks for them
+#: rather than importing the class.
+_POSTERIOR_HOOKS = ("_chains", "_sample_stats")
+_POSTERIOR_FIELDS = ("model", "method", "settings", "cost")
+
+
 def _check_posterior(posterior: Any) -> None:
-    if not isinstance(posterior, Posterior):
+    if not (all(callable(getattr(posterior, h, None)) for h in _POSTERIOR_HOOKS)
+            and all(hasattr(posterior, f) for f in _POSTERIOR_FIELDS)):
         raise TypeError(f"posterior must be a pyrobdl Posterior (what fit returns), got {type(posterior).__name__}")
 
 
@@ -117,7 +126,7 @@ def _check_num_samples(num_samples: Any) -> None:
         raise ValueError(f"num_samples must be an integer >= 1, got {num_samples!r}")
 
 
-def chain_draws(posterior: Posterior, num_samples: int, *, seed: int | None = None) -> dict[str, torch.Tensor]:
+def chain_draws(posterior: Any, num_samples: int, *, seed: int | None = None) -> dict[str, torch.Tensor]:
     """The posterior's draws grouped into chains, ``{site: [chain, draw, *site_shape]}``.
 
     Calls the posterior's ``_chains`` hook (independent draws split into pseudo-chains by
@@ -166,7 +175,7 @@ def _chunks(flat: dict[str, torch.Tensor], total: int):
 
 
 def pointwise_log_likelihood(
-    posterior: Posterior, x: Any, y: Any, num_samples: int = 500, *, seed: int | None = None
+    posterior: Any, x: Any, y: Any, num_samples: int = 500, *, seed: int | None = None
 ) -> np.ndarray:
     """Pointwise log-likelihood ``log p(y_n | w)`` of every chain draw, ``[chain, draw, N]`` (float64).
 
@@ -222,11 +231,9 @@ def _jsonable(value: Any) -> Any:
 
 
 def _library_versions() -> dict[str, str]:
-    import pyrobdl  # the package is fully imported by the time anything here runs
-
     # str(): torch.__version__ is a str subclass that netCDF writers cannot store
     return {
-        "pyrobdl_version": str(pyrobdl.__version__),
+        "pyrobdl_version": str(__version__),
         "pyro_version": str(pyro.__version__),
         "torch_version": str(torch.__version__),
         "numpy_version": str(np.__version__),
@@ -246,7 +253,7 @@ def _check_sample_stats(stats: dict[str, Any], c: int, d: int, owner: str) -> di
 
 
 def to_inference_data(
-    posterior: Posterior, x: Any, y: Any, num_samples: int = 500, *, seed: int | None = None
+    posterior: Any, x: Any, y: Any, num_samples: int = 500, *, seed: int | None = None
 ) -> az.InferenceData:
     r"""Convert a posterior and a data set to ``arviz.InferenceData``.
 

@@ -29,6 +29,9 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
+from .._io import WriteError, atomic_write_bytes, lock_exclusive
+from .._saved import _jsonable, model_spec
+
 __all__ = ["CheckpointError", "CheckpointLockedError", "SamplerCheckpoint", "run_identity"]
 
 #: Version of the file's layout; a file of another version is refused.
@@ -71,8 +74,6 @@ def run_identity(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[
     dict
         JSON-serialisable.
     """
-    from ..saving import _jsonable, model_spec
-
     skip = set(exclude)
     return {
         "model": model_spec(model),
@@ -127,8 +128,6 @@ class SamplerCheckpoint:
 
     # ------------------------------------------------------------------------------ lock
     def __enter__(self) -> "SamplerCheckpoint":
-        from ..compare.lock import lock_exclusive
-
         lock = self.path.with_name(self.path.name + ".lock")
         try:
             lock.parent.mkdir(parents=True, exist_ok=True)
@@ -188,8 +187,6 @@ class SamplerCheckpoint:
         CheckpointError
             When the file cannot be written; the previous checkpoint is then unchanged.
         """
-        from ..compare.store import WriteError, atomic_write_bytes
-
         buffer = io.BytesIO()
         torch.save({"format": FORMAT, "identity": json.dumps(self.identity), "state": dict(state)}, buffer)
         try:

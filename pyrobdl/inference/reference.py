@@ -14,13 +14,13 @@ r"""Reference posteriors: run long NUTS once, save its draws, compare other meth
   :class:`~pyrobdl.diagnostics.Certification`), library versions, fingerprints of the training
   data and the SHA-256 of the ``.npz``.
 
-Both are written atomically (temporary file in the same directory, then ``os.replace``), the
-``.npz`` first and the sidecar last, so a sidecar only exists for a complete ``.npz`` and the
-recorded hash detects a torn or altered pair.  :func:`load_reference` reads them back into a
-:class:`Reference`, whose :meth:`Reference.prediction` is a :class:`~pyrobdl.Prediction` at
-``x_eval`` (what ``pyrobdl.diagnostics.evaluate(..., reference=...)`` compares with), and whose
-:meth:`Reference.posterior` rebuilds an :class:`~pyrobdl.inference.mcmc.MCMCPosterior` from the
-thinned draws for predictions elsewhere.
+Both are written atomically (:func:`pyrobdl._io.atomic_write_bytes`: a temporary file in the same
+folder, then ``os.replace``), the ``.npz`` first and the sidecar last, so a sidecar only exists for
+a complete ``.npz`` and the recorded hash detects a torn or altered pair.  :func:`load_reference`
+reads them back into a :class:`Reference`, whose :meth:`Reference.prediction` is a
+:class:`~pyrobdl.Prediction` at ``x_eval`` (what ``pyrobdl.diagnostics.evaluate(...,
+reference=...)`` compares with), and whose :meth:`Reference.posterior` rebuilds an
+:class:`~pyrobdl.inference.mcmc.MCMCPosterior` from the thinned draws for predictions elsewhere.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ import hashlib
 import io
 import json
 import os
-import tempfile
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +40,8 @@ import pyro
 import torch
 
 from .. import likelihoods as _likelihoods
+from .._io import atomic_write_bytes
+from .._version import __version__
 from .._validation import check_data, check_inputs
 from ..diagnostics.certification import Certification
 from ..posterior import Cost, Prediction, predictive_from_draws
@@ -59,20 +60,6 @@ def _sha256_bytes(data: bytes) -> str:
 
 def _fingerprint(t: torch.Tensor) -> str:
     return _sha256_bytes(np.ascontiguousarray(t.detach().cpu().numpy()).tobytes())
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def _jsonable(value: Any) -> Any:
@@ -261,6 +248,8 @@ def run_reference(
         whose result holds no chains (after the fit, before anything is written).
     FileExistsError
         If ``path`` exists and ``overwrite`` is False.
+    pyrobdl._io.WriteError
+        If a file cannot be written (naming it); the previous file, if any, is then unchanged.
 
     Warns
     -----
@@ -316,17 +305,11 @@ def run_reference(
         ),
         "data": {"num_train": int(x_t.shape[0]), "x_sha256": _fingerprint(x_t), "y_sha256": _fingerprint(y_t),
                  "x_eval_sha256": _fingerprint(x_eval_t)},
-        "versions": {"pyrobdl": _version(), "pyro": pyro.__version__, "torch": torch.__version__},
+        "versions": {"pyrobdl": __version__, "pyro": pyro.__version__, "torch": torch.__version__},
     }
-    _atomic_write(npz, data)
-    _atomic_write(sidecar, (json.dumps(metadata, indent=1, sort_keys=True) + "\n").encode())
+    atomic_write_bytes(npz, data)
+    atomic_write_bytes(sidecar, (json.dumps(metadata, indent=1, sort_keys=True) + "\n").encode())
     return load_reference(npz, model=model)
-
-
-def _version() -> str:
-    import pyrobdl  # imported late: this module is imported while ``pyrobdl`` initialises
-
-    return pyrobdl.__version__
 
 
 def load_reference(path: str | os.PathLike, *, model: Any | None = None) -> Reference:

@@ -21,7 +21,8 @@ import pyro
 import torch
 
 from .._validation import check_data, resolve_device
-from ..posterior import Posterior
+from .._saved import lost_in_json
+from ..posterior import Posterior, SVIPosterior
 from .svi import LoopSettings, run_svi
 
 __all__ = ["COMMON_OPTIONS", "Method", "fit", "get_method", "methods", "register_method", "register_svi_method"]
@@ -142,6 +143,38 @@ def get_method(name: str) -> Method:
     if name not in _REGISTRY:
         raise ValueError(f"unknown method {name!r}; valid methods: {methods()}")
     return _REGISTRY[name]
+
+
+def rebuild_guide(name: str, model: Any, settings: Mapping[str, Any]) -> Any:
+    """A fresh guide of the registered method ``name`` for ``model``, built with the saved
+    ``settings`` (those JSON could not hold fall back to the method's defaults): what a loaded
+    :class:`~pyrobdl.posterior.SVIPosterior` loads its saved guide state into.
+
+    Raises
+    ------
+    ValueError
+        For an unknown method, or one without a guide.
+    """
+    method = get_method(name)
+    if method.build_guide is None:
+        raise ValueError(f"method {name!r} has no guide to rebuild")
+    options = {**method.options,
+               **{k: v for k, v in settings.items() if k in method.options and not lost_in_json(v)}}
+    with torch.random.fork_rng(devices=[]):  # the guide's initial values are overwritten anyway
+        return method.build_guide(model, options).to(model.device)
+
+
+def install_guide_builder() -> None:
+    """Make :func:`rebuild_guide` the :attr:`SVIPosterior.guide_builder` hook.
+
+    The posterior contract sits below the registry and imports nothing above it
+    (docs/architecture.md); the registry installs this hook when it is imported, and
+    :func:`pyrobdl.saving.load_posterior` calls this function before loading.
+    """
+    SVIPosterior.guide_builder = staticmethod(rebuild_guide)
+
+
+install_guide_builder()
 
 
 def require_proper_prior(model: Any, options: Mapping[str, Any]) -> None:

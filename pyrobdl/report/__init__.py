@@ -4,6 +4,6 @@ See ``docs/compare.md``.  ``pyrobdl report DIR`` calls :func:`build_report`.
 """
 
 from .build import ReportFiles, build_model, build_report
-from .published import PUBLISHED, PublishedRow
+from ..compare.published import PUBLISHED, PublishedRow
 
 __all__ = ["PUBLISHED", "PublishedRow", "ReportFiles", "build_model", "build_report"]

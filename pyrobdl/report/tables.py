@@ -3,7 +3,7 @@ r"""Tables of the report, computed from stored cell records only.
 Every number is a mean over the finished cells of a (dataset, method) pair — splits and seeds —
 with its standard error :math:`s/\sqrt n` (sample standard deviation :math:`s`, ``ddof = 1``;
 shown as "—" for a single cell).  Published numbers come from
-:data:`pyrobdl.report.published.PUBLISHED`.
+:data:`pyrobdl.compare.published.PUBLISHED`.
 
 Verdict against a published number (for metrics with a direction): with :math:`d` the
 difference in our favour and :math:`\sigma = \sqrt{se_{ours}^2 + se_{pub}^2}`, "beats" when
@@ -21,10 +21,10 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from ..compare.published import PUBLISHED, PublishedRow
 from .formatting import _finite, decimals_for, fmt, fmt_column, fmt_fixed, fmt_mean_se, mean_se
 from .model import Table
 from . import resolution as _resolution
-from .published import PUBLISHED, PublishedRow
 
 __all__ = [
     "HIGHER_IS_BETTER",

@@ -8,7 +8,9 @@ errors over splits, except for Lakshminarayanan et al. (printed "±", see their 
 
 A suite's method entry lists the rows it should be compared with
 (``published = ["gal2016_mc_dropout"]``); a row applies to a result when its ``match`` items
-equal the result's dataset source options (and model widths where a row names them).
+equal the result's dataset source options (and model widths where a row names them).  The table
+lives in the suite package, which validates those keys; the report, one layer up, reads it from
+here (docs/architecture.md).
 """
 
 from __future__ import annotations
