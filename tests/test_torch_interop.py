@@ -345,3 +345,15 @@ def test_chees_started_at_a_trained_network_reaches_the_exact_blr_posterior(blr)
     sd = np.sqrt(np.diag(blr.posterior.covariance.numpy()))
     err = np.abs(draws.mean((0, 1)) - blr.posterior.mean.numpy())
     assert (err <= 4 * sd / np.sqrt(conv["ess_bulk"])).all(), (err / sd, conv["ess_bulk"])
+
+
+@pytest.mark.parametrize("method, options", [("mean_field", dict(num_steps=5)), ("laplace", dict(fit_map=False))])
+def test_a_fit_from_init_saves_and_loads(tmp_path, method, options):
+    """The settings hold the init's tensors, which JSON cannot: they are saved as stand-ins and the
+    loaded posterior has the same mean network."""
+    net = seq(3, 5, 1)
+    x, y = inputs(30, 3), torch.zeros(30)
+    post = pyrobdl.fit(pyrobdl.BayesianMLP.from_torch(net), x, y, method, init=net, progress=False, **options)
+    loaded = pyrobdl.load_posterior(post.save(tmp_path / method))
+    with torch.no_grad():
+        assert torch.equal(loaded.to_torch()(x), post.to_torch()(x))

@@ -504,7 +504,10 @@ def run_laplace(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[s
     LaplacePosterior
         ``history`` is the MAP fit's log joint per step; ``diagnostics`` holds the prior
         multiplier c, the Laplace log marginal likelihood at c, the number of clipped negative
-        curvature eigenvalues and the effective number of parameters :math:`\\gamma`.
+        curvature eigenvalues and the effective number of parameters :math:`\\gamma`.  With
+        ``fit(..., init=net, fit_map=False)`` (post-hoc) there is no MAP fit: ``history`` is
+        empty, the cost counts no gradient, ``map_log_joint`` is the full-data log joint at the
+        given weights and ``log_joint_gradient_norm`` the norm of its gradient there.
     """
     device = x.device
     if device.type == "cuda":

@@ -309,8 +309,9 @@ def fit(
     Raises
     ------
     ValueError
-        Unknown method or option, invalid data, or a model the method cannot handle; raised
-        before any training.
+        Unknown method or option, invalid data, a model the method cannot handle, or an
+        ``init`` the method does not take or that does not fit the model (naming the layer);
+        raised before any training.
 
     Warns
     -----
