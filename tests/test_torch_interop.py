@@ -203,12 +203,13 @@ def test_init_is_refused_by_name_where_it_means_nothing_and_its_options_need_it(
         pyrobdl.fit(model, x, y, "laplace", init=net, fit_map="no", progress=False)
 
 
-@pytest.mark.parametrize("method", ["map", "mean_field", "bbvi", "dropout", "gaussian_dropout"])
+@pytest.mark.parametrize("method", ["map", "mean_field", "bbvi", "dropout", "gaussian_dropout", "variational_dropout"])
 def test_svi_guides_start_at_the_given_weights(method):
     """One Adam step of size 1e-9 from init: the guide's locations are the user's weights up to the step."""
     net = seq(3, 6, 1, act=torch.nn.Tanh)
     x, y = inputs(40, 3), torch.zeros(40)
-    model = pyrobdl.BayesianMLP.from_torch(net)
+    prior = pyrobdl.priors.LogUniform() if method == "variational_dropout" else None
+    model = pyrobdl.BayesianMLP.from_torch(net, prior=prior)
     post = pyrobdl.fit(model, x, y, method, init=net, num_steps=1, lr=1e-9, progress=False)
     dists = post.guide.variational_distributions()
     for name, value in init_sites(model, net).items():
