@@ -14,6 +14,7 @@ from .likelihoods import Likelihood
 from .poutine import linear
 from .priors import Gaussian as GaussianPrior
 from .priors import Prior, Site
+from .torch_interop import init_sites, parse_module
 
 __all__ = ["ACTIVATIONS", "BayesianMLP"]
 
@@ -149,6 +150,47 @@ class BayesianMLP(PyroModule):
         self.sites: tuple[Site, ...] = tuple(s for pair in per_layer for s in pair if s is not None)
         self.layers = PyroModule[torch.nn.ModuleList]([_Layer(w, b, prior) for w, b in per_layer])
         self._act = ACTIVATIONS[activation]
+
+    @classmethod
+    def from_torch(
+        cls, module: torch.nn.Module, prior: Prior | None = None, likelihood: Likelihood | None = None
+    ) -> "BayesianMLP":
+        """The Bayesian version of a plain PyTorch network: same architecture, a prior on every weight.
+
+        Parameters
+        ----------
+        module : torch.nn.Module
+            An ``nn.Sequential`` (or any module whose leaf modules, in order, are) of ``nn.Linear``
+            layers with ``nn.ReLU`` or ``nn.Tanh`` between them, with or without biases;
+            ``nn.Identity`` and ``nn.Dropout`` (identities at evaluation) are skipped.  Its
+            weights are not copied: pass the module as ``fit(..., init=module)`` to start there.
+        prior, likelihood
+            As in :class:`BayesianMLP`.
+
+        Returns
+        -------
+        BayesianMLP
+            With the module's ``in_features``, hidden widths, ``out_features``, activation and
+            ``bias``; a single ``nn.Linear`` gives ``hidden=()``.
+
+        Raises
+        ------
+        ValueError
+            Naming the layer that cannot be mapped (a convolution, a normalisation, another
+            activation, widths that do not chain, ...; see
+            :func:`pyrobdl.torch_interop.parse_module`), or when the module's ``forward`` does
+            not compute its layers in order (checked on random inputs).
+
+        Examples
+        --------
+        >>> net = torch.nn.Sequential(torch.nn.Linear(8, 50), torch.nn.ReLU(), torch.nn.Linear(50, 1))
+        >>> model = BayesianMLP.from_torch(net, prior=priors.Gaussian(1.0))
+        """
+        arch = parse_module(module)
+        model = cls(arch.in_features, arch.hidden, arch.out_features, activation=arch.activation or "relu",
+                    prior=prior, likelihood=likelihood, bias=arch.bias)
+        init_sites(model, module)  # the module's forward() must compute these layers (checked on random inputs)
+        return model
 
     def extra_repr(self) -> str:
         return (

@@ -17,6 +17,7 @@ import pyro
 import torch
 
 from ._validation import check_inputs
+from .torch_interop import to_sequential
 
 if TYPE_CHECKING:
     from .diagnostics.certification import Certification
@@ -226,6 +227,53 @@ class Posterior:
         with torch.no_grad():
             return predictive_from_draws(self.model, draws, x)
 
+    def _mean_params(self) -> dict[str, torch.Tensor]:
+        """The posterior mean of every weight and bias site, where the family has one network
+        as its mean (overridden by the Gaussian and point-mass families)."""
+        raise ValueError(
+            f"the {self.method} posterior ({type(self).__name__}) holds networks from several modes (ensemble members "
+            "or Markov chains, whose hidden units may be permuted relative to each other); the average of their "
+            "weights is not a network of the posterior. Use to_torch(kind='draw', seed=...)"
+        )
+
+    def to_torch(self, kind: str = "mean", *, seed: int | None = None) -> torch.nn.Module:
+        """The network at the posterior mean, or at one posterior draw, as a plain ``nn.Sequential``.
+
+        Parameters
+        ----------
+        kind : {"mean", "draw"}, default "mean"
+            ``"mean"``: the posterior mean of the weights (the guide's mean for SVI methods, the
+            mode for MAP and Laplace; refused for ensembles and MCMC, whose weight average is
+            not a network of the posterior).  ``"draw"``: the weights of
+            ``sample(1, seed=seed)`` (for an ensemble that is member 0 and for MCMC the first
+            stored draw, since their draws go through a fixed set in order; build any member with
+            :func:`pyrobdl.torch_interop.to_sequential`).
+        seed : int, optional
+            Seed of the draw; only with ``kind="draw"``.
+
+        Returns
+        -------
+        torch.nn.Sequential
+            ``nn.Linear`` layers with the model's activation between them, whose output equals
+            the model's network at those weights (regression mean or classification logits).
+
+        Raises
+        ------
+        ValueError
+            For another ``kind``, a ``seed`` with ``kind="mean"``, or ``kind="mean"`` on a
+            posterior without a mean network.
+        """
+        if kind == "mean":
+            if seed is not None:
+                raise ValueError("seed only applies to to_torch(kind='draw'); the mean network is not random")
+            with torch.no_grad():
+                params = {k: v.detach() for k, v in self._mean_params().items()}
+        elif kind == "draw":
+            params = {k: v[0] for k, v in self.sample(1, seed=seed).items()}
+        else:
+            raise ValueError(f"unknown kind {kind!r}; valid: ['mean', 'draw']")
+        return to_sequential(self.model, params)
+
     def _chains(self, num_samples: int) -> dict[str, torch.Tensor]:
         """Draws grouped into chains for ArviZ, ``{site: [chain, draw, *site_shape]}``.
 
@@ -316,6 +364,12 @@ class SVIPosterior(Posterior):
 
     def _draw(self, num_samples: int) -> dict[str, torch.Tensor]:
         return self.guide.sample_params(num_samples)
+
+    def _mean_params(self) -> dict[str, torch.Tensor]:
+        # the mean of each weight site's variational distribution (a Delta's point, a Gaussian's
+        # loc, (1 - p) times the rows of Bernoulli dropout)
+        sites = {s.name for s in self.model.sites}
+        return {k: q.mean for k, q in self.guide.variational_distributions().items() if k in sites}
 
     def _state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         # the whole state_dict: independent of how a guide names or packs its parameters

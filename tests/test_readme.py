@@ -8,6 +8,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -44,4 +45,7 @@ def test_readme_python_examples_run_as_written(tmp_path, monkeypatch):
     assert namespace["reference"].history.shape == (300,)
     assert namespace["probs"].shape == (75, 2)
     assert float(namespace["accuracy"]) > 0.8  # two blobs 2.8 sd apart: ~92% separable
+    with torch.no_grad():  # post-hoc Laplace's mean network is the user's network
+        assert torch.equal(namespace["plain"](namespace["x_test"]), namespace["net"](namespace["x_test"]))
+    assert isinstance(namespace["one"], torch.nn.Sequential)
     assert time.perf_counter() - start < 600

@@ -62,6 +62,7 @@ from ..posterior import Cost, Posterior
 from .checkpoint import CheckpointError, SamplerCheckpoint, run_identity
 from .mcmc import MCMCPosterior, SamplerTrace
 from .registry import Method, register_method, require_proper_prior
+from .starts import check_spread, spread_starts
 from .svi import _peak_memory
 
 __all__ = ["CERTIFY_RHATS", "CHEES_OPTIONS", "INIT_STRATEGIES", "JITTERS", "MASS_MATRICES", "WindowVariance", "halton",
@@ -205,6 +206,8 @@ def _check_options(model: Any, options: Mapping[str, Any]) -> None:
     if isinstance(every, bool) or not isinstance(every, (int, float)) or not math.isfinite(every) or every < 0:
         raise ValueError(f"checkpoint_every_s must be a finite number >= 0, got {every!r}")
     _check_temperatures(options)
+    if options.get("init") is not None:  # fit(..., init=network): starts at its weights + init_spread * N(0, 1)
+        check_spread(options["init_spread"], allow_none=False)
     # the flat log joint refuses what it does not implement, by name, before any work
     from ..flat import _check_supported
 
@@ -752,6 +755,8 @@ def _starting_points(model: Any, lj: FlatLogJoint, num: int, options: Mapping[st
                      gen: torch.Generator) -> tuple[torch.Tensor, int]:
     """``num`` independent starting points ``[num, P]`` by ``init_strategy``, and the chain-gradients
     their MAP or ensemble fits cost."""
+    if options.get("init") is not None:
+        return spread_starts(model, lj, options["init"], num, options["init_spread"], generator=gen), 0
     theta = lj.sample_prior(num, generator=gen)
     if options["init_strategy"] == "map":
         return _map_init(lj, theta, options["map_num_steps"], options["map_lr"]), num * options["map_num_steps"]
@@ -1204,5 +1209,5 @@ def _certify(posterior: MCMCPosterior, x_points: torch.Tensor, rhat: str, inputs
 register_method(Method(
     "chees", CHEES_OPTIONS, run_chees,
     "Many-chain HMC in lock-step with ChEES adaptation (Hoffman, Radul & Sountsov 2021); certified references",
-    check_model=_check_options,
+    check_model=_check_options, init_options={"init_spread": 0.1},
 ))

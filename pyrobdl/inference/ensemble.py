@@ -36,6 +36,7 @@ from ..flat import FlatLogJoint, _check_supported
 from ..guides.base import init_values, model_sites
 from ..posterior import Cost, Posterior
 from .registry import Method, register_method, require_proper_prior
+from .starts import check_spread, spread_starts
 from .svi import LoopSettings, PackedAdam, _peak_memory, optimize
 
 __all__ = ["ENSEMBLE_OPTIONS", "EnsemblePosterior", "MemberTraining", "init_members", "run_ensemble", "train_members"]
@@ -50,6 +51,10 @@ ENSEMBLE_OPTIONS: dict[str, Any] = {
     **{k: getattr(LoopSettings(), k) for k in LOOP_OPTIONS},
     "chunk_size": None,
 }
+#: Options that exist only beside ``fit(..., init=network)``: member 0 starts at the network, the
+#: others at fresh ``nn.Linear``-style draws (``init_spread=None``) or at the network plus
+#: ``init_spread`` times N(0, 1) noise in every coordinate.
+ENSEMBLE_INIT_OPTIONS: dict[str, Any] = {"init_spread": None}
 
 
 def loop_settings(options: Mapping[str, Any], num_data: int) -> LoopSettings:
@@ -246,6 +251,7 @@ def _check_options(model: Any, options: Mapping[str, Any]) -> None:
     c = options["chunk_size"]
     if c is not None and c != "auto" and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
         raise ValueError(f"chunk_size must be an integer >= 1, 'auto' or None, got {c!r}")
+    check_spread(options.get("init_spread"), allow_none=True)
     loop_settings(options, 1)
 
 
@@ -275,7 +281,11 @@ def run_ensemble(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[
         torch.cuda.reset_peak_memory_stats(device)
     start, cpu_start = time.perf_counter(), time.process_time()
     lj = FlatLogJoint(model, x, y, chunk_size=options["chunk_size"])
-    theta0 = init_members(model, lj, options["num_members"], options["init_loc"])
+    if options.get("init") is None:
+        theta0 = init_members(model, lj, options["num_members"], options["init_loc"])
+    else:
+        theta0 = spread_starts(model, lj, options["init"], options["num_members"], options["init_spread"],
+                               keep_first=True)
     trained = train_members(lj, theta0, settings, prior=options["prior"], progress=progress)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -294,5 +304,5 @@ def run_ensemble(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[
 register_method(Method(
     "ensemble", ENSEMBLE_OPTIONS, run_ensemble,
     "Deep ensemble: K MAP (or maximum-likelihood) networks trained as one batched model (Lakshminarayanan et al. 2017)",
-    check_model=_check_options,
+    check_model=_check_options, init_options=ENSEMBLE_INIT_OPTIONS,
 ))

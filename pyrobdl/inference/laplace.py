@@ -49,6 +49,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+import numpy as np
 import torch
 
 from ..flat import FlatLogJoint
@@ -85,6 +86,9 @@ LAPLACE_OPTIONS: dict[str, Any] = {
     "average_last": 0.1,
     "data_chunk": 256,
 }
+#: Options that exist only beside ``fit(..., init=network)``: the MAP fit starts at the network,
+#: or (``fit_map=False``) the Gaussian is centred there with no fit: post-hoc Laplace.
+LAPLACE_INIT_OPTIONS: dict[str, Any] = {"fit_map": True}
 
 
 @dataclass
@@ -406,6 +410,9 @@ class LaplacePosterior(Posterior):
             raise ValueError(f"saved Laplace mean has shape {list(tensors['mean'].shape)}, expected [{layout.size}]")
         return cls(model, tensors["mean"], blocks, float(extra["c"]), layout, extra["predictive"], extra["chunk"], **common)
 
+    def _mean_params(self) -> dict[str, torch.Tensor]:
+        return self.layout.unpack(self.mean)
+
     def covariance(self) -> torch.Tensor:
         """The full covariance ``[P, P]`` (float64; zero rows for point-mass coordinates)."""
         p = self.layout.size
@@ -474,6 +481,8 @@ def _check_options(model: Any, options: Mapping[str, Any]) -> None:
         raise ValueError("newton_steps > 0 needs hessian='full' (a Newton step with an approximate curvature "
                          "does not reach the MAP)")
     _check_ensemble_options(model, {**options, "num_members": 1, "prior": True, "chunk_size": None})
+    if options.get("fit_map", True) not in (True, False):
+        raise TypeError(f"fit_map must be True or False, got {options['fit_map']!r}")
 
 
 def run_laplace(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str, Any], progress: bool) -> Posterior:
@@ -495,7 +504,10 @@ def run_laplace(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[s
     LaplacePosterior
         ``history`` is the MAP fit's log joint per step; ``diagnostics`` holds the prior
         multiplier c, the Laplace log marginal likelihood at c, the number of clipped negative
-        curvature eigenvalues and the effective number of parameters :math:`\\gamma`.
+        curvature eigenvalues and the effective number of parameters :math:`\\gamma`.  With
+        ``fit(..., init=net, fit_map=False)`` (post-hoc) there is no MAP fit: ``history`` is
+        empty, the cost counts no gradient, ``map_log_joint`` is the full-data log joint at the
+        given weights and ``log_joint_gradient_norm`` the norm of its gradient there.
     """
     device = x.device
     if device.type == "cuda":
@@ -503,10 +515,12 @@ def run_laplace(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[s
     start, cpu_start = time.perf_counter(), time.process_time()
     settings = loop_settings({k: options[k] for k in LOOP_OPTIONS}, x.shape[0])
     lj = FlatLogJoint(model, x, y)
-    trained = train_members(lj, init_members(model, lj, 1, options["init_loc"]), settings, progress=progress,
-                            desc="laplace (MAP)")
-    theta = trained.theta[0]
-    gradients = trained.gradient_evaluations
+    theta0 = init_members(model, lj, 1, options["init_loc"] if options.get("init") is None else options["init"])
+    if options.get("fit_map", True):
+        trained = train_members(lj, theta0, settings, progress=progress, desc="laplace (MAP)")
+        theta, history, gradients, epochs = trained.theta[0], trained.history[:, 0], trained.gradient_evaluations, trained.epochs
+    else:  # post-hoc: at the given weights, which may not be a mode of this log joint (see the gradient norm)
+        theta, history, gradients, epochs = theta0[0], np.zeros(0), 0, 0.0
     for _ in range(options["newton_steps"]):
         blocks, _ = _blocks(model, lj, theta, options)
         _, g = lj.value_and_grad(theta.unsqueeze(0).double().to(lj.dtype))
@@ -521,22 +535,24 @@ def run_laplace(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[s
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-    cost = Cost(wall_time_s=wall, gradient_evaluations=gradients, epochs=trained.epochs + options["newton_steps"],
+    cost = Cost(wall_time_s=wall, gradient_evaluations=gradients, epochs=epochs + options["newton_steps"],
                 peak_memory_bytes=_peak_memory(device), device=str(device), cpu_time_s=cpu)
     diagnostics = {
         "prior_precision_multiplier": c,
         "log_marginal_likelihood": log_marginal_likelihood(lj, theta, blocks, c),
         "effective_parameters": float((lam / (lam + c)).sum()),
         "clipped_eigenvalues": clipped,
-        "map_log_joint": float(trained.history[-1, 0]),
+        "map_log_joint": float(history[-1]) if len(history) else float(lj.value_and_grad(theta.unsqueeze(0))[0][0]),
     }
+    if not options.get("fit_map", True):
+        diagnostics["log_joint_gradient_norm"] = float(lj.value_and_grad(theta.unsqueeze(0))[1].norm())
     return LaplacePosterior(model, theta, blocks, c, lj.layout, options["predictive"], options["data_chunk"],
-                            method="laplace", settings=dict(options), cost=cost, history=trained.history[:, 0],
+                            method="laplace", settings=dict(options), cost=cost, history=history,
                             diagnostics=diagnostics)
 
 
 register_method(Method(
     "laplace", LAPLACE_OPTIONS, run_laplace,
     "Laplace approximation at the MAP: full/GGN, diagonal, Kronecker-factored or last-layer curvature (MacKay 1992)",
-    check_model=_check_options,
+    check_model=_check_options, init_options=LAPLACE_INIT_OPTIONS,
 ))

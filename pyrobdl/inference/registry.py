@@ -23,6 +23,8 @@ import torch
 from .._validation import check_data, resolve_device
 from .._saved import lost_in_json
 from ..posterior import Posterior, SVIPosterior
+from ..torch_interop import init_sites
+from .starts import INIT_REPLACES
 from .svi import LoopSettings, run_svi
 
 __all__ = ["COMMON_OPTIONS", "Method", "fit", "get_method", "methods", "register_method", "register_svi_method"]
@@ -108,6 +110,11 @@ class Method:
     build_guide : callable or None
         SVI methods: ``build_guide(model, options) -> guide``, the untrained guide the method
         starts from (what :func:`pyrobdl.load_posterior` fills with a saved ``state_dict``).
+    init_options : Mapping[str, Any] or None
+        None: the method refuses ``fit(..., init=...)``.  Otherwise it starts from the given
+        network (``options["init"]``, the model's site values) and these options, with their
+        defaults, exist beside it only: they are not in ``options``, so a fit without ``init``
+        has the settings (and a suite cell the configuration hash) it had before.
     """
 
     name: str
@@ -116,6 +123,7 @@ class Method:
     summary: str = ""
     check_model: Callable[[Any, Mapping[str, Any]], None] | None = None
     build_guide: Callable[[Any, Mapping[str, Any]], Any] | None = None
+    init_options: Mapping[str, Any] | None = None
 
 
 _REGISTRY: dict[str, Method] = {}
@@ -223,7 +231,10 @@ def register_svi_method(
         raise ValueError(f"guide options {sorted(clash)} clash with loop options")
 
     def build_guide(model: Any, options: Mapping[str, Any]) -> Any:
-        return guide_factory(model, **{k: options[k] for k in guide_options})
+        kwargs = {k: options[k] for k in guide_options}
+        if options.get("init") is not None:  # fit's init=, already the model's site values
+            kwargs["init_loc"] = options["init"]
+        return guide_factory(model, **kwargs)
 
     def run(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str, Any], progress: bool) -> Posterior:
         settings = LoopSettings(**{k: options[k] for k in _LOOP_FIELDS})
@@ -231,7 +242,9 @@ def register_svi_method(
         guide = build_guide(model, options).to(x.device)
         return run_svi(model, guide, x, y, settings, method=name, all_settings=dict(options), progress=progress)
 
-    return register_method(Method(name, {**loop, **guide_options}, run, summary, check_model, build_guide))
+    # a guide that takes init_loc starts from given weights: fit(..., init=network) sets it
+    init_options = {} if "init_loc" in guide_options else None
+    return register_method(Method(name, {**loop, **guide_options}, run, summary, check_model, build_guide, init_options))
 
 
 def _warn_if_diverged(method: str, posterior: Any) -> None:
@@ -256,6 +269,24 @@ def _warn_if_diverged(method: str, posterior: Any) -> None:
         )
 
 
+def _init_options(method: str, meth: Method, init: Any, options: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The options ``init`` brings with it (their defaults); raises where ``init`` or they do not apply."""
+    extra = meth.init_options or {}
+    if init is None:
+        stray = sorted(set(options) & set(extra))
+        if stray:
+            raise ValueError(f"option(s) {stray} of method {method!r} apply only beside init= (a starting network)")
+        return {}
+    if meth.init_options is None:
+        takes = [m for m in methods() if _REGISTRY[m].init_options is not None]
+        raise ValueError(f"method {method!r} takes no init= (a starting network); the methods that start from "
+                         f"given weights: {takes}")
+    clash = [k for k in INIT_REPLACES if k in options]
+    if clash:
+        raise ValueError(f"init= gives the starting weights; do not pass {clash} beside it")
+    return extra
+
+
 def fit(
     model: Any,
     x: Any,
@@ -266,6 +297,7 @@ def fit(
     device: str | torch.device | None = None,
     progress: bool = True,
     threads: int | str | None = None,
+    init: Any = None,
     **options: Any,
 ) -> Posterior:
     """Approximate the posterior of ``model`` given ``(x, y)`` with a registered method.
@@ -293,6 +325,12 @@ def fit(
         measured 15-23x slower with two threads than with one), otherwise torch's setting capped
         at the cores the load average leaves idle; see :func:`resolve_threads`.  The count used
         is recorded in the posterior's settings.
+    init : torch.nn.Module or state dict, optional
+        A trained network (or its ``state_dict``) with the model's architecture (see
+        :meth:`pyrobdl.BayesianMLP.from_torch`): the starting point of the methods that take one
+        (:mod:`pyrobdl.inference.starts` says what each does with it, and which options it
+        adds, e.g. ``fit_map=False`` for post-hoc Laplace); the others refuse it by name.
+        Replaces ``init_loc`` / ``init_strategy``, which may not be passed beside it.
     **options
         The method's options (see ``pyrobdl methods``); unknown ones are an error.
 
@@ -304,8 +342,9 @@ def fit(
     Raises
     ------
     ValueError
-        Unknown method or option, invalid data, or a model the method cannot handle; raised
-        before any training.
+        Unknown method or option, invalid data, a model the method cannot handle, or an
+        ``init`` the method does not take or that does not fit the model (naming the layer);
+        raised before any training.
 
     Warns
     -----
@@ -319,7 +358,8 @@ def fit(
     >>> posterior.predict(x_test, num_samples=200).mean
     """
     meth = get_method(method)
-    unknown = sorted(set(options) - set(meth.options))
+    init_options = _init_options(method, meth, init, options)
+    unknown = sorted(set(options) - set(meth.options) - set(init_options))
     if unknown:
         raise ValueError(
             f"method {method!r} does not take option(s) {unknown}; valid options: "
@@ -329,7 +369,9 @@ def fit(
         raise TypeError(f"seed must be an int, got {seed!r}")
     if not 0 <= seed < 2**32:
         raise ValueError(f"seed must be in 0..2**32-1 (what numpy and torch accept), got {seed}")
-    full = {**meth.options, **options}
+    full = {**meth.options, **init_options, **options}
+    if init is not None:
+        full["init"] = init_sites(model, init)
     if meth.check_model is not None:
         meth.check_model(model, full)
     x, y = check_data(model, x, y)
