@@ -49,7 +49,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from ..diagnostics.certification import (
+from ...diagnostics.certification import (
     attach_certification,
     certification_points,
     check_certify_inputs,
@@ -57,12 +57,12 @@ from ..diagnostics.certification import (
     given_inputs,
     reference_criteria,
 )
-from ..flat import FlatLogJoint
-from ..posterior import Cost, Posterior
-from .checkpoint import CheckpointError, SamplerCheckpoint, run_identity
-from .mcmc import MCMCPosterior, SamplerTrace
-from .registry import Method, register_method, require_proper_prior
-from .svi import _peak_memory
+from ...flat import FlatLogJoint
+from ...posterior import Cost, Posterior
+from ..checkpoint import CheckpointError, SamplerCheckpoint, run_identity
+from ..mcmc import MCMCPosterior, SamplerTrace
+from ..registry import Method, register_method, require_proper_prior
+from ..svi import _peak_memory
 
 __all__ = ["CERTIFY_RHATS", "CHEES_OPTIONS", "INIT_STRATEGIES", "JITTERS", "MASS_MATRICES", "WindowVariance", "halton",
            "run_chees"]
@@ -206,7 +206,7 @@ def _check_options(model: Any, options: Mapping[str, Any]) -> None:
         raise ValueError(f"checkpoint_every_s must be a finite number >= 0, got {every!r}")
     _check_temperatures(options)
     # the flat log joint refuses what it does not implement, by name, before any work
-    from ..flat import _check_supported
+    from ...flat import _check_supported
 
     _check_supported(model)
 
@@ -736,8 +736,8 @@ def _map_init(lj: FlatLogJoint, theta: torch.Tensor, num_steps: int, lr: float, 
     FloatingPointError
         When a fit's log joint becomes non-finite, naming ``init_strategy`` and what to change.
     """
-    from .ensemble import train_members
-    from .svi import LoopSettings
+    from ..ensemble import train_members
+    from ..svi import LoopSettings
 
     try:
         return train_members(lj, theta, LoopSettings(num_steps=num_steps, lr=lr), desc=f"chees {strategy} start").theta
@@ -757,7 +757,7 @@ def _starting_points(model: Any, lj: FlatLogJoint, num: int, options: Mapping[st
         return _map_init(lj, theta, options["map_num_steps"], options["map_lr"]), num * options["map_num_steps"]
     if options["init_strategy"] == "ensemble":
         # a deep ensemble (nn.Linear-style starts, the ensemble's trainer), one member per start
-        from .ensemble import init_members
+        from ..ensemble import init_members
 
         members = _map_init(lj, init_members(model, lj, num, "linear"), options["map_num_steps"], options["map_lr"],
                             "ensemble")
