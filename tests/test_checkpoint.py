@@ -92,7 +92,7 @@ def test_a_killed_run_resumes_to_the_same_draws(config, tmp_path, monkeypatch):
     for kill in (3, 20, kw["num_warmup"] - 1, kw["num_warmup"] + 3, total):
         path = tmp_path / f"{kill}.pt"
         with monkeypatch.context() as m:
-            crash_at(m, kill) if kill < total else m.setattr(chees.run, "MCMCPosterior", _crash_on_build)
+            crash_at(m, kill) if kill < total else m.setattr(chees.result, "MCMCPosterior", _crash_on_build)
             with pytest.raises(Crash):
                 quiet_fit(small_mlp(), x, y, checkpoint=str(path), checkpoint_every_s=0, **kw)
         resumed = quiet_fit(small_mlp(), x, y, checkpoint=str(path), checkpoint_every_s=0, **kw)

@@ -863,7 +863,7 @@ def test_map_init_runs_and_counts_its_gradients(monkeypatch):
         return out
 
     monkeypatch.setattr(chees._Sampler, "__init__", spy_init)
-    monkeypatch.setattr(chees.run, "_map_init", spy_map)
+    monkeypatch.setattr(chees.starts, "_map_init", spy_map)
     x, y = small_data()
     with uncertified():
         posterior = pyrobdl.fit(small_mlp(), x, y, method="chees", init_strategy="map", map_num_steps=40, seed=2,
@@ -935,7 +935,7 @@ def test_superchains_share_their_start_and_are_certified_with_nested_rhat(tmp_pa
 def test_superchains_fit_one_map_start_per_superchain(monkeypatch):
     maps = []
     real_map = chees._map_init
-    monkeypatch.setattr(chees.run, "_map_init", lambda lj, theta, *a, **k: maps.append(theta.shape) or real_map(lj, theta, *a, **k))
+    monkeypatch.setattr(chees.starts, "_map_init", lambda lj, theta, *a, **k: maps.append(theta.shape) or real_map(lj, theta, *a, **k))
     x, y = small_data()
     with uncertified():
         post = pyrobdl.fit(small_mlp(), x, y, method="chees", init_strategy="map", map_num_steps=40,
