@@ -92,7 +92,7 @@ def test_a_killed_run_resumes_to_the_same_draws(config, tmp_path, monkeypatch):
     for kill in (3, 20, kw["num_warmup"] - 1, kw["num_warmup"] + 3, total):
         path = tmp_path / f"{kill}.pt"
         with monkeypatch.context() as m:
-            crash_at(m, kill) if kill < total else m.setattr(chees, "MCMCPosterior", _crash_on_build)
+            crash_at(m, kill) if kill < total else m.setattr(chees.result, "MCMCPosterior", _crash_on_build)
             with pytest.raises(Crash):
                 quiet_fit(small_mlp(), x, y, checkpoint=str(path), checkpoint_every_s=0, **kw)
         resumed = quiet_fit(small_mlp(), x, y, checkpoint=str(path), checkpoint_every_s=0, **kw)
@@ -169,7 +169,7 @@ def test_a_checkpoint_of_another_run_is_refused_before_any_work(tmp_path, monkey
     def no_work(*a, **kw):
         raise AssertionError("work started")
 
-    monkeypatch.setattr(chees, "FlatLogJoint", no_work)
+    monkeypatch.setattr(chees.run, "FlatLogJoint", no_work)
     with pytest.raises(CheckpointError, match=r"option num_chains: 4 in the file, 6 now; option seed: 5 in the file"):
         quiet_fit(small_mlp(), x, y, checkpoint=path, **{**BASE, "num_chains": 6, "seed": 6})
     with pytest.raises(CheckpointError, match=r"belongs to another run: the training data differs"):

@@ -588,14 +588,14 @@ def test_cap_during_warm_up_bounds_the_trajectory():
     ],
 )
 def test_bad_options_raise_before_running(monkeypatch, options, error, match):
-    monkeypatch.setattr(chees, "FlatLogJoint", lambda *a, **k: pytest.fail("sampling started"))
+    monkeypatch.setattr(chees.run, "FlatLogJoint", lambda *a, **k: pytest.fail("sampling started"))
     x, y = small_data()
     with pytest.raises(error, match=match):
         pyrobdl.fit(small_mlp(), x, y, method="chees", progress=False, **options)
 
 
 def test_unsupported_models_raise_before_running(monkeypatch):
-    monkeypatch.setattr(chees, "FlatLogJoint", lambda *a, **k: pytest.fail("sampling started"))
+    monkeypatch.setattr(chees.run, "FlatLogJoint", lambda *a, **k: pytest.fail("sampling started"))
     x, y = small_data()
     with pytest.raises(ValueError, match="improper"):
         pyrobdl.fit(pyrobdl.BayesianMLP(2, (3,), 1, prior=pyrobdl.priors.LogUniform()), x, y, method="chees",
@@ -863,7 +863,7 @@ def test_map_init_runs_and_counts_its_gradients(monkeypatch):
         return out
 
     monkeypatch.setattr(chees._Sampler, "__init__", spy_init)
-    monkeypatch.setattr(chees, "_map_init", spy_map)
+    monkeypatch.setattr(chees.starts, "_map_init", spy_map)
     x, y = small_data()
     with uncertified():
         posterior = pyrobdl.fit(small_mlp(), x, y, method="chees", init_strategy="map", map_num_steps=40, seed=2,
@@ -935,7 +935,7 @@ def test_superchains_share_their_start_and_are_certified_with_nested_rhat(tmp_pa
 def test_superchains_fit_one_map_start_per_superchain(monkeypatch):
     maps = []
     real_map = chees._map_init
-    monkeypatch.setattr(chees, "_map_init", lambda lj, theta, *a, **k: maps.append(theta.shape) or real_map(lj, theta, *a, **k))
+    monkeypatch.setattr(chees.starts, "_map_init", lambda lj, theta, *a, **k: maps.append(theta.shape) or real_map(lj, theta, *a, **k))
     x, y = small_data()
     with uncertified():
         post = pyrobdl.fit(small_mlp(), x, y, method="chees", init_strategy="map", map_num_steps=40,

@@ -30,21 +30,26 @@ import numpy as np
 import pyro
 import torch
 from pyro.infer.autoguide.initialization import init_to_median, init_to_sample, init_to_value
-from pyro.infer.mcmc import HMC, MCMC, NUTS
+from pyro.infer.mcmc import MCMC
 from pyro.infer.mcmc.util import initialize_model
 
 from ..diagnostics.rank_diagnostics import convergence
-from ..guides.base import model_sites
 from ..posterior import Cost, Posterior
+from .mcmc_kernels import (
+    INIT_STRATEGIES,
+    MAX_NUM_STEPS,
+    POTENTIALS,
+    _check_direct,
+    _check_options,
+    _Counted,
+    _direct_potential,
+    _HMC,
+    _NUTS,
+)
 from .registry import Method, fit, register_method, require_proper_prior
 from .svi import _peak_memory
 
 __all__ = ["INIT_STRATEGIES", "POTENTIALS", "MCMCPosterior", "SamplerTrace", "chain_seeds", "run_mcmc"]
-
-#: How each chain's starting point is chosen.
-INIT_STRATEGIES = ("median", "sample", "map", "ensemble")
-#: How the potential energy (minus the log joint) is evaluated.
-POTENTIALS = ("trace", "direct")
 
 _COMMON = {
     "num_warmup": 500,
@@ -71,7 +76,7 @@ NUTS_OPTIONS = {**_COMMON, "max_tree_depth": 10}
 # are unbounded (measured: eps = 8.4e-6 after 4 warm-up iterations, ~190,000 gradients in one
 # iteration).  1024 is the budget of NUTS's default tree depth 10 (2**10 - 1 steps).
 HMC_OPTIONS = {**_COMMON, "trajectory_length": math.pi / 2, "num_steps": None, "jitter": 0.5,
-               "max_num_steps": 1024}
+               "max_num_steps": MAX_NUM_STEPS}
 
 
 @dataclass(frozen=True)
@@ -119,175 +124,9 @@ class SamplerTrace:
     superchain_size: int = 1
 
 
-class _Counted:
-    """A potential function that counts its evaluations (each one is a gradient in Pyro's use)."""
-
-    def __init__(self, fn: Callable[[dict], torch.Tensor]) -> None:
-        self.fn, self.calls = fn, 0
-
-    def __call__(self, z: dict) -> torch.Tensor:
-        self.calls += 1
-        return self.fn(z)
-
-
-class _Recording:
-    """Mixin for Pyro's HMC/NUTS kernels: records per-iteration statistics around ``sample``.
-
-    Leapfrog steps are the potential evaluations inside ``sample`` minus those of the step-size
-    search (``_find_reasonable_step_size``, a private method of Pyro 1.9's HMC, re-run at the
-    end of each warm-up window: ``test_step_size_search_is_not_counted_as_leapfrog_steps``
-    fails loudly if a Pyro release changes it).
-
-    The energy is taken in ``_sample_r``: Pyro 1.9's ``HMC.sample`` and ``NUTS.sample`` both
-    compute ``energy_current = self._kinetic_energy(r_unscaled) + potential_energy`` right after
-    ``self._sample_r(name="r_t=...")``, with ``potential_energy`` the cached
-    ``_potential_energy_last`` (recomputed and cached first when the cache was cleared).  Only
-    the first draw of each ``sample`` is the trajectory's momentum: the step-size search
-    (run after the trajectory, at the end of warm-up windows) draws its own.
-    """
-
-    def _start_recording(self, counter: _Counted) -> None:
-        self._counter, self._search_calls, self.rows, self.moved = counter, 0, [], 0
-        self._energy: float | None = None
-        self._want_energy = False
-
-    def _sample_r(self, name):
-        r, r_unscaled = super()._sample_r(name)
-        if self._want_energy:
-            self._want_energy = False
-            self._energy = float(self._kinetic_energy(r_unscaled) + self._potential_energy_last)
-        return r, r_unscaled
-
-    def _num_steps_capped(self) -> bool:
-        """Whether the coming iteration's step count is cut by a cap (only ``_HMC`` has one)."""
-        return False
-
-    def _find_reasonable_step_size(self, z):
-        before = self._counter.calls
-        try:
-            return super()._find_reasonable_step_size(z)
-        finally:
-            self._search_calls += self._counter.calls - before
-
-    def sample(self, params):
-        step, t = float(self.step_size), self._t
-        mean0, calls0, search0 = self._mean_accept_prob, self._counter.calls, self._search_calls
-        divergences0 = len(self._divergences)
-        capped = self._num_steps_capped()  # step size and jitter are those of this trajectory
-        self._energy, self._want_energy = float("nan"), True
-        z = super().sample(params)
-        self._want_energy = False
-        n = self._t - self._warmup_steps if self._t > self._warmup_steps else self._t
-        # Pyro keeps only a running mean of the acceptance statistic; undo the update.
-        accept = n * self._mean_accept_prob - (n - 1) * mean0 if n > 1 else self._mean_accept_prob
-        steps = (self._counter.calls - calls0) - (self._search_calls - search0)
-        diverged = len(self._divergences) > divergences0
-        self.rows.append(
-            (t, steps, step, accept, diverged, -float(self._potential_energy_last), self._energy, capped)
-        )
-        self.moved = self._accept_cnt  # sampling iterations whose state changed, before cleanup resets it
-        return z
-
-
-class _NUTS(_Recording, NUTS):
-    pass
-
-
-class _HMC(_Recording, HMC):
-    r"""Pyro's HMC with NumPyro's step count and a jittered trajectory length.
-
-    A given ``num_steps`` stays fixed while the step size adapts; otherwise
-    :math:`\lceil L/\epsilon \rceil` steps cover the trajectory length :math:`L`.  (Pyro floors,
-    which collapses to a single Langevin step whenever the adapted step size exceeds
-    :math:`L/2`: measured on Bayesian linear regression with :math:`L=\pi/2`, one step per
-    iteration and a bulk ESS of 118 of 600 draws.)  With ``jitter`` :math:`j > 0` each
-    iteration scales the length (or the step count) by :math:`u \sim \mathcal U(1-j, 1+j)`,
-    drawn from torch's generator, which breaks the periodicity of a fixed length in directions
-    where it is close to a multiple of half a period (Neal 2011 recommends choosing the step
-    size or the trajectory length at random from a small interval).
-
-    No iteration takes more than ``max_num_steps`` steps: when the step size collapses (a bad
-    start in warm-up), :math:`\lceil L/\epsilon \rceil` is unbounded.
-    """
-
-    def __init__(self, *args: Any, fixed_num_steps: int | None = None, jitter: float = 0.0,
-                 max_num_steps: int = HMC_OPTIONS["max_num_steps"], **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._fixed_num_steps, self._jitter, self._scale = fixed_num_steps, jitter, 1.0
-        self._max_num_steps = max_num_steps
-
-    def sample(self, params):
-        if self._jitter:
-            self._scale = 1.0 + self._jitter * (2.0 * float(torch.rand(())) - 1.0)
-        return super().sample(params)
-
-    def _wanted_num_steps(self) -> float:
-        """The step count before the cap; a float, so a collapsed step size gives inf, not an error."""
-        if self._fixed_num_steps is not None:
-            return float(max(1, round(self._fixed_num_steps * self._scale)))
-        step = float(self.step_size)
-        ratio = self._scale * self.trajectory_length / step if step > 0 else math.inf
-        return float(max(1, math.ceil(ratio))) if math.isfinite(ratio) else math.inf
-
-    def _num_steps_capped(self) -> bool:
-        return self._wanted_num_steps() > self._max_num_steps
-
-    @property
-    def num_steps(self) -> int:
-        return int(min(self._max_num_steps, self._wanted_num_steps()))
-
-
 def chain_seeds(seed: int, num_chains: int) -> list[int]:
     """Independent per-chain seeds derived from ``seed`` with ``numpy.random.SeedSequence``."""
     return [int(s) for s in np.random.SeedSequence(seed).generate_state(num_chains)]
-
-
-# ----------------------------------------------------------------------------------- options
-def _int(options: Mapping[str, Any], name: str, low: int) -> None:
-    v = options[name]
-    if isinstance(v, bool) or not isinstance(v, int) or v < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {v!r}")
-
-
-def _positive(options: Mapping[str, Any], name: str) -> None:
-    v = options[name]
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-        raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
-
-
-def _check_options(options: Mapping[str, Any]) -> None:
-    for name in ("num_warmup",):
-        _int(options, name, 0)
-    for name in ("num_samples", "num_chains", "map_num_steps", "diagnostic_points"):
-        _int(options, name, 1)
-    for name in ("step_size", "map_lr"):
-        _positive(options, name)
-    p = options["target_accept_prob"]
-    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p < 1:
-        raise ValueError(f"target_accept_prob must be in (0, 1), got {p!r}")
-    for name in ("adapt_step_size", "adapt_mass_matrix", "full_mass", "jit_compile"):
-        if not isinstance(options[name], bool):
-            raise TypeError(f"{name} must be True or False, got {options[name]!r}")
-    if options["init_strategy"] not in INIT_STRATEGIES:
-        raise ValueError(f"unknown init_strategy {options['init_strategy']!r}; valid: {list(INIT_STRATEGIES)}")
-
-    if options["potential"] not in POTENTIALS:
-        raise ValueError(f"unknown potential {options['potential']!r}; valid: {list(POTENTIALS)}")
-    if options["jit_compile"] and options["potential"] != "trace":
-        raise ValueError("jit_compile=True compiles Pyro's traced potential: it needs potential='trace'")
-    if "max_tree_depth" in options:
-        _int(options, "max_tree_depth", 1)
-    if "trajectory_length" in options:
-        _positive(options, "trajectory_length")
-        j = options["jitter"]
-        if isinstance(j, bool) or not isinstance(j, (int, float)) or not 0 <= j < 1:
-            raise ValueError(f"jitter must be in [0, 1), got {j!r}")
-        _int(options, "max_num_steps", 1)
-        if options["num_steps"] is not None:
-            _int(options, "num_steps", 1)
-            if options["num_steps"] > options["max_num_steps"]:
-                raise ValueError(f"num_steps={options['num_steps']} exceeds max_num_steps="
-                                 f"{options['max_num_steps']}: raise max_num_steps or lower num_steps")
 
 
 def _check_model(model: Any, options: Mapping[str, Any]) -> None:
@@ -300,46 +139,6 @@ def _check_model(model: Any, options: Mapping[str, Any]) -> None:
         from ..flat import _check_supported
 
         _check_supported(model)
-
-
-# --------------------------------------------------------------------------------- potential
-def _direct_potential(model: Any, x: torch.Tensor, y: torch.Tensor, transforms: Mapping[str, Any]) -> Callable:
-    r"""Minus the log joint in Pyro's unconstrained space, evaluated without tracing the model.
-
-    The same terms Pyro's traced potential sums, from the same objects: each site's prior
-    (``model.prior_distributions()``), the likelihood (``model.log_likelihood``) and, for
-    constrained sites, :math:`-\log|\partial u / \partial c|` of the site's transform.
-    """
-    priors = model.prior_distributions()
-    real = {s.name for s in model_sites(model) if s.is_real}
-    y = model.likelihood.prepare_targets(y, model.out_features)
-
-    def potential(z: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        params, log_joint = {}, 0.0
-        for name, prior in priors.items():
-            u = z[name]
-            if name in real:
-                value = u
-            else:
-                value = transforms[name].inv(u)
-                log_joint = log_joint - transforms[name].log_abs_det_jacobian(value, u).sum()
-            params[name] = value
-            log_joint = log_joint + prior.log_prob(value)
-        return -(log_joint + model.log_likelihood(params, x, y).sum())
-
-    return potential
-
-
-def _check_direct(direct: Callable, traced: Callable, z: Mapping[str, torch.Tensor]) -> None:
-    with torch.no_grad():
-        a, b = float(direct(z)), float(traced(z))
-    # float32 sums over N data points; anything beyond rounding means the model has grown a
-    # site or a term the direct potential does not know.
-    if not math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-3):
-        raise ValueError(
-            f"potential='direct' gives {a:.6g} but Pyro's traced model gives {b:.6g} at the initial "
-            "point: the model has terms the direct potential does not cover; use potential='trace'"
-        )
 
 
 # ----------------------------------------------------------------------------------- running
@@ -408,51 +207,51 @@ def run_mcmc(
         model, (x, y), jit_compile=jit, skip_jit_warnings=True, init_strategy=init_to_sample
     )
     potential = _direct_potential(model, x, y, transforms) if options["potential"] == "direct" else traced
-    samples, rows, accept_rates, other_grads, map_grads = [], [], [], [], 0
-    members = None
+    map_grads, members = 0, None
     if options["init_strategy"] == "ensemble":
         # one batched deep ensemble (docs/methods/ensemble.md), one member per chain
         ens = fit(model, x, y, method="ensemble", num_members=options["num_chains"], seed=options["seed"],
                   progress=False, num_steps=options["map_num_steps"], lr=options["map_lr"])
         members = ens.members
         map_grads += ens.cost.gradient_evaluations
+    chains = []
     for chain, seed in enumerate(chain_seeds(options["seed"], options["num_chains"])):
         pyro.set_rng_seed(seed)
         member = None if members is None else {k: v[chain] for k, v in members.items()}
         strategy, grads = _init_strategy(model, x, y, options, seed, member)
         map_grads += grads
-        init, plain, _, _ = initialize_model(model, (x, y), init_strategy=strategy)
-        if options["potential"] == "direct":
-            _check_direct(potential, plain, init)
-        counter = _Counted(potential)
-        kernel = _make_kernel(method, counter, transforms, options)
-        kernel._start_recording(counter)
-        mcmc = MCMC(kernel, num_samples=options["num_samples"], warmup_steps=options["num_warmup"],
-                    initial_params=init, disable_progbar=not progress, transforms=transforms)
-        mcmc.run()
-        samples.append(mcmc.get_samples(group_by_chain=True))
-        rows.append(kernel.rows)
-        accept_rates.append(kernel.moved / options["num_samples"])
-        other_grads.append(counter.calls - sum(r[1] for r in kernel.rows))
-    draws = {k: torch.cat([s[k] for s in samples]).detach() for k in samples[0]}
-    draws = {name: draws[name] for name in model.prior_distributions()}
+        chains.append(_run_chain(model, x, y, method, (potential, transforms), strategy, options, progress))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    clock = (time.perf_counter() - start, time.process_time() - cpu_start)
+    posterior, points, recorded_points = _posterior(model, x, method, chains, map_grads, options, clock)
+    _warn_saturation(posterior.diagnostics, options)
+    # reference certification at the same points (fit warns when it fails; docs/diagnostics.md):
+    # the reference criteria with split R-hat (never two superchains here: independent starts, or
+    # init "median"'s one common start)
+    from ..diagnostics.certification import attach_certification, reference_criteria
+
+    attach_certification(posterior, points, reference_criteria(1), inputs=recorded_points)
+    return posterior
+
+
+def _posterior(model: Any, x: torch.Tensor, method: str, chains: list[tuple], map_grads: int,
+               options: Mapping[str, Any], clock: tuple[float, float]) -> tuple[MCMCPosterior, torch.Tensor, Any]:
+    """The chains (:func:`_run_chain`'s results) as the posterior with its sampler diagnostics and
+    convergence summary, and the inputs it is certified at (as tensors and as recorded); ``clock``:
+    the run's wall and CPU seconds."""
+    samples, rows, accept_rates, other_grads = (list(c) for c in zip(*chains))
+    draws = {k: torch.cat([s[k] for s in samples]).detach() for k in samples[0]}
+    draws = {name: draws[name] for name in model.prior_distributions()}
     # init "median" starts every chain from the same point: one superchain
     trace = _trace(rows, options["num_warmup"], method,
                    options["num_chains"] if options["init_strategy"] == "median" else 1)
     capped = np.array([[r[7] for r in chain] for chain in rows], dtype=bool) if method == "hmc" else None
     leapfrog = int(trace.num_steps.sum())
-    cost = Cost(wall_time_s=wall, gradient_evaluations=leapfrog + map_grads, epochs=float(leapfrog + map_grads),
-                peak_memory_bytes=_peak_memory(device), device=str(device), cpu_time_s=cpu)
+    cost = Cost(wall_time_s=clock[0], gradient_evaluations=leapfrog + map_grads, epochs=float(leapfrog + map_grads),
+                peak_memory_bytes=_peak_memory(x.device), device=str(x.device), cpu_time_s=clock[1])
     # certified at certify_inputs (e.g. held-back inputs), else the first diagnostic_points training inputs
-    from ..diagnostics.certification import (
-        attach_certification,
-        certification_points,
-        given_inputs,
-        reference_criteria,
-    )
+    from ..diagnostics.certification import certification_points, given_inputs
 
     points, recorded_points = certification_points(model, x, options)
     posterior = MCMCPosterior(model, draws, trace, method=method,
@@ -460,12 +259,27 @@ def run_mcmc(
     diagnostics = _sampler_summary(trace, accept_rates, other_grads, map_grads, options, capped)
     diagnostics.update(posterior.convergence_summary(points))
     posterior.diagnostics = diagnostics
-    _warn_saturation(diagnostics, options)
-    # reference certification at the same points (fit warns when it fails; docs/diagnostics.md):
-    # the reference criteria with split R-hat (never two superchains here: independent starts, or
-    # init "median"'s one common start)
-    attach_certification(posterior, points, reference_criteria(1), inputs=recorded_points)
-    return posterior
+    return posterior, points, recorded_points
+
+
+def _run_chain(model: Any, x: torch.Tensor, y: torch.Tensor, method: str, potential: tuple[Callable, Mapping],
+               strategy: Callable, options: Mapping[str, Any], progress: bool) -> tuple[dict, list, float, int]:
+    """One chain of ``method`` from ``strategy``'s starting point; ``potential``: the potential and
+    the sites' transforms.  Returns its draws ``[1, draws, ...]`` per site, its per-iteration rows,
+    the fraction of sampling iterations that moved, and its potential evaluations outside the
+    leapfrog steps (step-size searches, initialisation)."""
+    potential, transforms = potential
+    init, plain, _, _ = initialize_model(model, (x, y), init_strategy=strategy)
+    if options["potential"] == "direct":
+        _check_direct(potential, plain, init)
+    counter = _Counted(potential)
+    kernel = _make_kernel(method, counter, transforms, options)
+    kernel._start_recording(counter)
+    mcmc = MCMC(kernel, num_samples=options["num_samples"], warmup_steps=options["num_warmup"],
+                initial_params=init, disable_progbar=not progress, transforms=transforms)
+    mcmc.run()
+    return (mcmc.get_samples(group_by_chain=True), kernel.rows, kernel.moved / options["num_samples"],
+            counter.calls - sum(r[1] for r in kernel.rows))
 
 
 def _make_kernel(method: str, potential: Callable, transforms: Mapping[str, Any], options: Mapping[str, Any]):

@@ -1,0 +1,230 @@
+"""Pyro's HMC and NUTS kernels as pyrobdl runs them (methods "hmc" and "nuts"): kernels that record
+per-iteration statistics (:class:`_Recording`); HMC with NumPyro's step count, jitter and a step cap
+(:class:`_HMC`); the potential evaluated without tracing the model (:func:`_direct_potential`); the
+validation of the options they take (:func:`_check_options`).  :mod:`pyrobdl.inference.mcmc` runs
+the chains with them and holds their posterior."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Mapping
+
+import torch
+from pyro.infer.mcmc import HMC, NUTS
+
+from ..guides.base import model_sites
+
+#: How each chain's starting point is chosen.
+INIT_STRATEGIES = ("median", "sample", "map", "ensemble")
+#: How the potential energy (minus the log joint) is evaluated.
+POTENTIALS = ("trace", "direct")
+
+# the largest number of leapfrog steps of one HMC iteration by default: the budget of NUTS's
+# default tree depth 10 (2**10 - 1 steps; HMC_OPTIONS of pyrobdl.inference.mcmc says why a cap)
+MAX_NUM_STEPS = 1024
+
+
+class _Counted:
+    """A potential function that counts its evaluations (each one is a gradient in Pyro's use)."""
+
+    def __init__(self, fn: Callable[[dict], torch.Tensor]) -> None:
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, z: dict) -> torch.Tensor:
+        self.calls += 1
+        return self.fn(z)
+
+
+class _Recording:
+    """Mixin for Pyro's HMC/NUTS kernels: records per-iteration statistics around ``sample``.
+
+    Leapfrog steps are the potential evaluations inside ``sample`` minus those of the step-size
+    search (``_find_reasonable_step_size``, a private method of Pyro 1.9's HMC, re-run at the
+    end of each warm-up window: ``test_step_size_search_is_not_counted_as_leapfrog_steps``
+    fails loudly if a Pyro release changes it).
+
+    The energy is taken in ``_sample_r``: Pyro 1.9's ``HMC.sample`` and ``NUTS.sample`` both
+    compute ``energy_current = self._kinetic_energy(r_unscaled) + potential_energy`` right after
+    ``self._sample_r(name="r_t=...")``, with ``potential_energy`` the cached
+    ``_potential_energy_last`` (recomputed and cached first when the cache was cleared).  Only
+    the first draw of each ``sample`` is the trajectory's momentum: the step-size search
+    (run after the trajectory, at the end of warm-up windows) draws its own.
+    """
+
+    def _start_recording(self, counter: _Counted) -> None:
+        self._counter, self._search_calls, self.rows, self.moved = counter, 0, [], 0
+        self._energy: float | None = None
+        self._want_energy = False
+
+    def _sample_r(self, name):
+        r, r_unscaled = super()._sample_r(name)
+        if self._want_energy:
+            self._want_energy = False
+            self._energy = float(self._kinetic_energy(r_unscaled) + self._potential_energy_last)
+        return r, r_unscaled
+
+    def _num_steps_capped(self) -> bool:
+        """Whether the coming iteration's step count is cut by a cap (only ``_HMC`` has one)."""
+        return False
+
+    def _find_reasonable_step_size(self, z):
+        before = self._counter.calls
+        try:
+            return super()._find_reasonable_step_size(z)
+        finally:
+            self._search_calls += self._counter.calls - before
+
+    def sample(self, params):
+        step, t = float(self.step_size), self._t
+        mean0, calls0, search0 = self._mean_accept_prob, self._counter.calls, self._search_calls
+        divergences0 = len(self._divergences)
+        capped = self._num_steps_capped()  # step size and jitter are those of this trajectory
+        self._energy, self._want_energy = float("nan"), True
+        z = super().sample(params)
+        self._want_energy = False
+        n = self._t - self._warmup_steps if self._t > self._warmup_steps else self._t
+        # Pyro keeps only a running mean of the acceptance statistic; undo the update.
+        accept = n * self._mean_accept_prob - (n - 1) * mean0 if n > 1 else self._mean_accept_prob
+        steps = (self._counter.calls - calls0) - (self._search_calls - search0)
+        diverged = len(self._divergences) > divergences0
+        self.rows.append(
+            (t, steps, step, accept, diverged, -float(self._potential_energy_last), self._energy, capped)
+        )
+        self.moved = self._accept_cnt  # sampling iterations whose state changed, before cleanup resets it
+        return z
+
+
+class _NUTS(_Recording, NUTS):
+    pass
+
+
+class _HMC(_Recording, HMC):
+    r"""Pyro's HMC with NumPyro's step count and a jittered trajectory length.
+
+    A given ``num_steps`` stays fixed while the step size adapts; otherwise
+    :math:`\lceil L/\epsilon \rceil` steps cover the trajectory length :math:`L`.  (Pyro floors,
+    which collapses to a single Langevin step whenever the adapted step size exceeds
+    :math:`L/2`: measured on Bayesian linear regression with :math:`L=\pi/2`, one step per
+    iteration and a bulk ESS of 118 of 600 draws.)  With ``jitter`` :math:`j > 0` each
+    iteration scales the length (or the step count) by :math:`u \sim \mathcal U(1-j, 1+j)`,
+    drawn from torch's generator, which breaks the periodicity of a fixed length in directions
+    where it is close to a multiple of half a period (Neal 2011 recommends choosing the step
+    size or the trajectory length at random from a small interval).
+
+    No iteration takes more than ``max_num_steps`` steps: when the step size collapses (a bad
+    start in warm-up), :math:`\lceil L/\epsilon \rceil` is unbounded.
+    """
+
+    def __init__(self, *args: Any, fixed_num_steps: int | None = None, jitter: float = 0.0,
+                 max_num_steps: int = MAX_NUM_STEPS, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._fixed_num_steps, self._jitter, self._scale = fixed_num_steps, jitter, 1.0
+        self._max_num_steps = max_num_steps
+
+    def sample(self, params):
+        if self._jitter:
+            self._scale = 1.0 + self._jitter * (2.0 * float(torch.rand(())) - 1.0)
+        return super().sample(params)
+
+    def _wanted_num_steps(self) -> float:
+        """The step count before the cap; a float, so a collapsed step size gives inf, not an error."""
+        if self._fixed_num_steps is not None:
+            return float(max(1, round(self._fixed_num_steps * self._scale)))
+        step = float(self.step_size)
+        ratio = self._scale * self.trajectory_length / step if step > 0 else math.inf
+        return float(max(1, math.ceil(ratio))) if math.isfinite(ratio) else math.inf
+
+    def _num_steps_capped(self) -> bool:
+        return self._wanted_num_steps() > self._max_num_steps
+
+    @property
+    def num_steps(self) -> int:
+        return int(min(self._max_num_steps, self._wanted_num_steps()))
+
+
+# --------------------------------------------------------------------------------- potential
+def _direct_potential(model: Any, x: torch.Tensor, y: torch.Tensor, transforms: Mapping[str, Any]) -> Callable:
+    r"""Minus the log joint in Pyro's unconstrained space, evaluated without tracing the model.
+
+    The same terms Pyro's traced potential sums, from the same objects: each site's prior
+    (``model.prior_distributions()``), the likelihood (``model.log_likelihood``) and, for
+    constrained sites, :math:`-\log|\partial u / \partial c|` of the site's transform.
+    """
+    priors = model.prior_distributions()
+    real = {s.name for s in model_sites(model) if s.is_real}
+    y = model.likelihood.prepare_targets(y, model.out_features)
+
+    def potential(z: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        params, log_joint = {}, 0.0
+        for name, prior in priors.items():
+            u = z[name]
+            if name in real:
+                value = u
+            else:
+                value = transforms[name].inv(u)
+                log_joint = log_joint - transforms[name].log_abs_det_jacobian(value, u).sum()
+            params[name] = value
+            log_joint = log_joint + prior.log_prob(value)
+        return -(log_joint + model.log_likelihood(params, x, y).sum())
+
+    return potential
+
+
+def _check_direct(direct: Callable, traced: Callable, z: Mapping[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        a, b = float(direct(z)), float(traced(z))
+    # float32 sums over N data points; anything beyond rounding means the model has grown a
+    # site or a term the direct potential does not know.
+    if not math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-3):
+        raise ValueError(
+            f"potential='direct' gives {a:.6g} but Pyro's traced model gives {b:.6g} at the initial "
+            "point: the model has terms the direct potential does not cover; use potential='trace'"
+        )
+
+
+# ----------------------------------------------------------------------------------- options
+def _int(options: Mapping[str, Any], name: str, low: int) -> None:
+    v = options[name]
+    if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {v!r}")
+
+
+def _positive(options: Mapping[str, Any], name: str) -> None:
+    v = options[name]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
+
+
+def _check_options(options: Mapping[str, Any]) -> None:
+    for name in ("num_warmup",):
+        _int(options, name, 0)
+    for name in ("num_samples", "num_chains", "map_num_steps", "diagnostic_points"):
+        _int(options, name, 1)
+    for name in ("step_size", "map_lr"):
+        _positive(options, name)
+    p = options["target_accept_prob"]
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p < 1:
+        raise ValueError(f"target_accept_prob must be in (0, 1), got {p!r}")
+    for name in ("adapt_step_size", "adapt_mass_matrix", "full_mass", "jit_compile"):
+        if not isinstance(options[name], bool):
+            raise TypeError(f"{name} must be True or False, got {options[name]!r}")
+    if options["init_strategy"] not in INIT_STRATEGIES:
+        raise ValueError(f"unknown init_strategy {options['init_strategy']!r}; valid: {list(INIT_STRATEGIES)}")
+
+    if options["potential"] not in POTENTIALS:
+        raise ValueError(f"unknown potential {options['potential']!r}; valid: {list(POTENTIALS)}")
+    if options["jit_compile"] and options["potential"] != "trace":
+        raise ValueError("jit_compile=True compiles Pyro's traced potential: it needs potential='trace'")
+    if "max_tree_depth" in options:
+        _int(options, "max_tree_depth", 1)
+    if "trajectory_length" in options:
+        _positive(options, "trajectory_length")
+        j = options["jitter"]
+        if isinstance(j, bool) or not isinstance(j, (int, float)) or not 0 <= j < 1:
+            raise ValueError(f"jitter must be in [0, 1), got {j!r}")
+        _int(options, "max_num_steps", 1)
+        if options["num_steps"] is not None:
+            _int(options, "num_steps", 1)
+            if options["num_steps"] > options["max_num_steps"]:
+                raise ValueError(f"num_steps={options['num_steps']} exceeds max_num_steps="
+                                 f"{options['max_num_steps']}: raise max_num_steps or lower num_steps")
