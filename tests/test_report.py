@@ -403,7 +403,8 @@ def test_each_dataset_opens_with_a_verdict(tmp_path):
     assert lines[0].startswith(f"- Reference posterior: nuts, NOT certified ({FAILURE}; bulk ESS 7 &lt; 400")
     assert "- Best test_ll (higher is better): good, 0.7." in lines
     # 'cheap' is within 0.1 nats of the best and costs 2 CPU s against 10
-    assert "- Cheapest within 0.1 of the best test_ll: cheap (test_ll 0.65, 2 CPU s per fit)." in lines
+    assert ("- Cheapest within 0.1 of the best test_ll: cheap (test_ll 0.65, 2 CPU s, 1,000 gradient evaluations "
+            "per fit).") in lines
     assert any(x.startswith("- Closest to the reference (w2, lower is better): cheap, 0.065 (against an uncertified")
                for x in lines)
     flags = {x.split(" — ")[0]: x for x in lines if x.startswith("- Flagged: ")}
@@ -535,3 +536,97 @@ def test_quality_vs_cost_draws_off_scale_methods_with_their_value(tmp_path):
     fig = quality_vs_cost(list_results(verdict_results(tmp_path)), "toy")
     assert "Off the scale (hollow triangles at the edge, value beside them): bad = -40." in fig.caption
     assert "process CPU seconds" in fig.caption and "Pareto front" in fig.caption
+
+
+def _cost_records(costs: dict) -> dict:
+    """method -> cells with the given ``[(cpu_time_s, gradient_evaluations), ...]``."""
+    return {m: [{"cost": {"cpu_time_s": cpu, "gradient_evaluations": g}} for cpu, g in cells]
+            for m, cells in costs.items()}
+
+
+def test_costs_within_noise_are_a_tie_broken_by_gradient_evaluations():
+    from pyrobdl.report.verdicts import COST_TIE, COST_TIE_S, cheapest
+
+    # the two runs of the issue: ensemble 0.62 CPU s once, map cheaper the other time
+    run_a = _cost_records({"map": [(0.70, 2000)], "ensemble": [(0.62, 10000)], "chees": [(31.0, 900000)]})
+    run_b = _cost_records({"map": [(0.50, 2000)], "ensemble": [(0.66, 10000)], "chees": [(29.0, 900000)]})
+    assert cheapest(run_a) == (["map"], ["ensemble"], "CPU s")
+    assert cheapest(run_b) == (["map"], ["ensemble"], "CPU s")
+    # beyond the band the CPU time decides: 10 s against 2 s is no tie
+    assert cheapest(_cost_records({"a": [(10.0, 100)], "b": [(2.0, 5000)]})) == (["b"], [], "CPU s")
+    edge = 4.0 * (1 + COST_TIE)
+    assert cheapest(_cost_records({"a": [(edge, 100)], "b": [(4.0, 5000)]}))[0] == ["a"]
+    assert cheapest(_cost_records({"a": [(edge + 0.01, 100)], "b": [(4.0, 5000)]}))[0] == ["b"]
+    assert cheapest(_cost_records({"a": [(0.1 + COST_TIE_S, 100)], "b": [(0.1, 5000)]}))[0] == ["a"]
+    # a method's own spread over its cells widens the band: 1 +- 1 CPU s ties with 2.5
+    spread = _cost_records({"a": [(2.5, 100)], "b": [(0.0, 5000), (2.0, 5000)]})
+    assert cheapest(spread)[0] == ["a"]
+    # equal on both measures: both named, in name order
+    assert cheapest(_cost_records({"map": [(0.4, 2000)], "dropout": [(0.5, 2000)]})) == (
+        ["dropout", "map"], [], "CPU s")
+    # without CPU time, gradient evaluations alone (exact counts: only equal ones tie)
+    no_cpu = {"a": [{"cost": {"gradient_evaluations": 300}}], "b": [{"cost": {"cpu_time_s": 0.1,
+                                                                            "gradient_evaluations": 200}}]}
+    assert cheapest(no_cpu) == (["b"], [], "gradient evaluations")
+
+
+def test_the_verdict_says_tie(tmp_path):
+    from pyrobdl.report.verdicts import _cheapest_sentence
+
+    means = {"map": (0.66, math.nan, 1), "ensemble": (0.71, math.nan, 1), "dropout": (0.7, math.nan, 1)}
+    line = _cheapest_sentence("test_ll", 0.1, _cost_records({"map": [(0.7, 2000)], "ensemble": [(0.62, 10000)]}), means)
+    assert line == ("Cheapest within 0.1 of the best test_ll: map (test_ll 0.66, 0.7 CPU s, 2,000 gradient evaluations "
+                    "per fit). A tie on CPU time with ensemble (0.62 CPU s) (CPU seconds within 25%, 0.5 s or twice the "
+                    "cells' spread of the cheapest are a tie), broken by gradient evaluations (ensemble: 10,000).")
+    both = _cheapest_sentence("test_ll", 0.1, _cost_records({"map": [(0.4, 2000)], "dropout": [(0.5, 2000)]}), means)
+    assert both.startswith("Cheapest within 0.1 of the best test_ll: a tie between dropout and map (CPU seconds "
+                           "within noise and equal gradient evaluations; dropout: test_ll 0.7, 0.5 CPU s")
+
+
+TWO_RUNS = """
+[suite]
+name = "twice"
+seeds = [0]
+num_eval_samples = 20
+inference_data = false
+
+[model]
+hidden = [10]
+activation = "tanh"
+likelihood = { kind = "gaussian", precision = 100.0 }
+
+[methods.map]
+num_steps = 400
+lr = 0.01
+
+[methods.ensemble]
+num_members = 3
+num_steps = 400
+lr = 0.01
+
+[methods.dropout]
+num_steps = 400
+lr = 0.01
+p = 0.05
+
+[datasets.gap]
+source = "gap"
+num_train = 40
+num_test = 50
+"""
+
+
+@pytest.mark.slow
+def test_the_same_suite_run_twice_names_the_same_cheapest(tmp_path):
+    """Sub-second fits whose CPU times move with the machine's load: the verdict names the same
+    cheapest method (or the same tie) in two runs."""
+    from pyrobdl.compare import list_results, load_suite, run_suite
+    from pyrobdl.report.verdicts import verdict
+
+    (tmp_path / "suite.toml").write_text(TWO_RUNS)
+    named = []
+    for out in ("a", "b"):
+        assert run_suite(load_suite(tmp_path / "suite.toml"), tmp_path / out, progress=False).success
+        line = next(x for x in verdict(list_results(tmp_path / out)) if x.startswith("Cheapest within"))
+        named.append(re.match(r"Cheapest within [^:]*: (a tie between )?(.*?) \(", line).group(2))
+    assert named[0] == named[1], named
