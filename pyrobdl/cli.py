@@ -103,10 +103,10 @@ def _err(message: str) -> None:
 
 
 def _cmd_methods(args: argparse.Namespace) -> int:
-    from .inference import get_method, methods
-    from .inference.registry import COMMON_OPTIONS
+    # the static copy of the registry: listing names must not import torch (tests keep them equal)
+    from .method_catalog import COMMON_OPTIONS, METHODS
 
-    table = {name: {"summary": get_method(name).summary, "options": dict(get_method(name).options)} for name in methods()}
+    table = {name: {"summary": summary, "options": dict(options)} for name, (summary, options) in METHODS.items()}
     if args.json:
         print(json.dumps(table, indent=1, default=str))
         return 0
