@@ -358,6 +358,34 @@ def _init_strategy(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mappin
     return init_to_value(values=values), point.cost.gradient_evaluations
 
 
+class _ChainBar:
+    """One chain's progress bar, named by method and chain (Pyro's own bar says only "Warmup" or
+    "Sample", and each chain here is a separate one-chain run); driven by MCMC's ``hook_fn``."""
+
+    def __init__(self, method: str, chain: int, num_chains: int, total: int) -> None:
+        from tqdm.auto import tqdm
+
+        self.name = f"{method} chain {chain + 1}/{num_chains}"
+        self.bar = tqdm(total=total, desc=f"{self.name} warmup", leave=False, mininterval=0.5)
+        self.stage = "Warmup"
+
+    def hook(self, kernel: Any, params: Any, stage: str, i: int) -> None:
+        if stage != self.stage:
+            self.stage = stage
+            self.bar.set_description(f"{self.name} {stage.lower()}", refresh=False)
+        self.bar.set_postfix(kernel.logging(), refresh=False)
+        self.bar.update()
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _chain_bar(method: str, chain: int, options: Mapping[str, Any], progress: bool) -> _ChainBar | None:
+    if not progress:
+        return None
+    return _ChainBar(method, chain, options["num_chains"], options["num_warmup"] + options["num_samples"])
+
+
 def run_mcmc(
     model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str, Any], progress: bool, *, method: str
 ) -> MCMCPosterior:
@@ -427,9 +455,15 @@ def run_mcmc(
         counter = _Counted(potential)
         kernel = _make_kernel(method, counter, transforms, options)
         kernel._start_recording(counter)
+        bar = _chain_bar(method, chain, options, progress)
         mcmc = MCMC(kernel, num_samples=options["num_samples"], warmup_steps=options["num_warmup"],
-                    initial_params=init, disable_progbar=not progress, transforms=transforms)
-        mcmc.run()
+                    initial_params=init, disable_progbar=True, transforms=transforms,
+                    hook_fn=None if bar is None else bar.hook)
+        try:
+            mcmc.run()
+        finally:
+            if bar is not None:
+                bar.close()
         samples.append(mcmc.get_samples(group_by_chain=True))
         rows.append(kernel.rows)
         accept_rates.append(kernel.moved / options["num_samples"])
