@@ -702,8 +702,6 @@ def test_adapted_nuts_energy_on_blr(blr):
 
 
 def test_each_chain_progress_bar_names_its_chain_and_changes_no_draw(capfd):
-    import pyrobdl
-
     x = torch.linspace(-1, 1, 10).unsqueeze(-1)
     y = x[:, 0]
     opts = dict(num_warmup=6, num_samples=6, num_chains=2, max_tree_depth=3, seed=0)

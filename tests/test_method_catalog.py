@@ -11,7 +11,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 
 CATALOG = Path(__file__).resolve().parents[1] / "pyrobdl" / "method_catalog.py"
 

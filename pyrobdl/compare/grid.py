@@ -323,10 +323,24 @@ def check_plan(suite: Suite, cells: list[Cell], data_dir: str | None) -> None:
                                      *[f"{suite.path}: {p}" for p in problems]]))
 
 
-def describe(cells: list[Cell]) -> str:
-    """One-line summary of a grid: counts of datasets, methods, splits, seeds and cells."""
+def matches(cell: Cell, only: Mapping[str, Iterable[str]]) -> bool:
+    """Whether ``cell`` matches an ``--only`` filter itself (not as a reference it pulled in)."""
+    return all(str(getattr(cell, k)) in set(v) for k, v in only.items())
+
+
+def describe(cells: list[Cell], only: Mapping[str, Iterable[str]] | None = None) -> str:
+    """One-line summary of a grid: counts of datasets, methods, splits, seeds and cells; with an
+    ``--only`` filter, how many cells it matched and how many reference cells it added (and why)."""
     n = {k: len({getattr(c, k) for c in cells if not c.is_replicate}) for k in FILTER_KEYS}
-    return (f"{len(cells)} cells: {n['dataset']} dataset(s) x {n['method']} method(s) x "
+    line = (f"{len(cells)} cells: {n['dataset']} dataset(s) x {n['method']} method(s) x "
             f"{n['split']} split(s) x {n['seed']} seed(s) ({sum(c.is_reference for c in cells)} reference"
             + (f", {reps} reference replicate" if (reps := sum(c.is_replicate for c in cells)) else "") + ")")
+    if only:
+        added = [c for c in cells if not matches(c, only)]
+        line += f"; --only matched {len(cells) - len(added)}"
+        if added:
+            names = sorted({c.method for c in added})
+            line += (f" and added {len(added)} reference cell(s) ({', '.join(names)}) because the matched cells are "
+                     "scored against them; they run first unless already done")
+    return line
 
