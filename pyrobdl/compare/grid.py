@@ -233,7 +233,9 @@ def build_model(model_spec: Mapping[str, Any], data: Any) -> BayesianMLP:
     r"""Build the :class:`~pyrobdl.BayesianMLP` of a cell for its data.
 
     ``in_features`` comes from the data, ``out_features`` is 1 for regression and the number of
-    classes for classification.  A likelihood ``precision`` with ``precision_units =
+    classes for classification.  Without a ``likelihood`` in the spec the data's task chooses
+    it: a categorical likelihood for classification data (a CSV's ``task``, a built-in
+    classification dataset such as MNIST), the model's default Gaussian for regression.  A likelihood ``precision`` with ``precision_units =
     "original"`` is on the original target scale and is converted to the standardised scale
     the model is trained on: :math:`\tau_{std} = \tau\,\sigma_y^2`.
 
@@ -259,11 +261,19 @@ def build_model(model_spec: Mapping[str, Any], data: Any) -> BayesianMLP:
             except (TypeError, ValueError) as e:
                 raise ValueError(f"model.{part}: {e}") from e
     classification = hasattr(data, "num_classes")
+    if "likelihood" not in kwargs and classification:  # the data's task chooses when the suite does not
+        kwargs["likelihood"] = comps["likelihood"]["categorical"]()
     likelihood = kwargs.get("likelihood")
     task = likelihood.task if likelihood is not None else "regression"
     if classification != (task == "classification"):
-        kind = "classification" if classification else "regression"
-        raise ValueError(f"model.likelihood: a {task} likelihood cannot model {kind} data")
+        kind = model_spec["likelihood"]["kind"]
+        if classification:
+            raise ValueError(f"model.likelihood: {kind!r} is a regression likelihood but the data are class labels "
+                             f"({data.num_classes} classes); add model = {{ likelihood = {{ kind = \"categorical\" }} }} to "
+                             "the dataset's table, or leave the likelihood out and the data's task chooses it")
+        raise ValueError(f"model.likelihood: {kind!r} is a classification likelihood but the data are regression "
+                         "targets; for class labels set task = \"classification\" in the dataset's table "
+                         "(source = \"file\"), else use a regression likelihood such as { kind = \"gaussian\" }")
     x = data.x_train
     in_features = int(x[0].numel())
     out = int(data.num_classes) if classification else 1
@@ -288,6 +298,7 @@ def check_plan(suite: Suite, cells: list[Cell], data_dir: str | None) -> None:
         Listing every problem, each naming the dataset and method.
     """
     problems: list[str] = []
+    per_method: dict[tuple[str, str], list[str]] = {}
     seen: set[tuple[str, str]] = set()
     loaded: dict[str, Any] = {}
     base = suite.path.parent
@@ -317,7 +328,9 @@ def check_plan(suite: Suite, cells: list[Cell], data_dir: str | None) -> None:
             if meth.check_model is not None:
                 meth.check_model(model, c.spec["method"]["options"])
         except (TypeError, ValueError) as e:
-            problems.append(f"datasets.{c.dataset} x methods.{c.method}: {e}")
+            per_method.setdefault((c.dataset, str(e)), []).append(c.method)
+    # one line per problem: the same model problem with every method is named once
+    problems += [f"datasets.{d} x methods.{', '.join(dict.fromkeys(ms))}: {e}" for (d, e), ms in per_method.items()]
     if problems:
         raise ConfigError("\n".join([f"invalid suite {suite.path} ({len(problems)} problem(s)):",
                                      *[f"{suite.path}: {p}" for p in problems]]))
