@@ -32,6 +32,7 @@ from .resolution import closest_sentence, meaningful_without_certificate, resolu
 from .tables import (
     HIGHER_IS_BETTER,
     by_method,
+    diagnostic_value,
     mean_se,
     metric_values,
     ok_records,
@@ -142,7 +143,8 @@ def _cheapest_sentence(metric: str, tol: float, groups: Mapping[str, Sequence[Ma
     head = f"Cheapest within {tol} of the best {metric}: "
     if len(winners) > 1:
         on = "CPU seconds within noise and equal gradient evaluations" if unit == "CPU s" else "equal gradient evaluations"
-        return head + f"a tie between {' and '.join(winners)} ({on}; " + "; ".join(
+        names = f"{', '.join(winners[:-1])} and {winners[-1]}"
+        return head + f"a tie between {names} ({on}; " + "; ".join(
             f"{m}: {what(m)}" for m in winners) + ")."
     line = head + f"{winners[0]} ({what(winners[0])})."
     if beaten:
@@ -188,7 +190,7 @@ def method_flags(recs: Sequence[Mapping[str, Any]]) -> list[str]:
     """Reasons, in words, not to trust one method's cells (empty when none).
 
     Read from the records: a failed certification (Markov chains), tree-depth or step-cap
-    saturation, divergences, 90% coverage below :data:`LOW_COVERAGE`, Pareto k-hat of PSIS-LOO
+    saturation, an adapted trajectory length cut by ``max_num_steps``, divergences, 90% coverage below :data:`LOW_COVERAGE`, Pareto k-hat of PSIS-LOO
     or of the variational fit above :data:`BAD_PARETO_K`, and an SVI objective still improving
     at the end of training.
     """
@@ -205,6 +207,10 @@ def method_flags(recs: Sequence[Mapping[str, Any]]) -> list[str]:
     caps = [c for d in diags for c in (d.get("num_steps_cap_hits_sampling") or [])]
     if caps and max(caps) > 0:
         flags.append(f"leapfrog-step cap cut {sum(caps)} sampling trajectories")
+    kept = [k for k in (diagnostic_value(r, "trajectory_length_kept") for r in recs) if k is not None]
+    if kept and min(kept) < 1:
+        flags.append(f"max_num_steps cut the adapted trajectory length to {100 * min(kept):.2g}% of what the "
+                     "adaptation wanted (every draw moves less than intended; column 'trajectory kept')")
     div = [c for d in diags for c in (d.get("divergences") or [])] if all(
         isinstance(d.get("divergences"), list) for d in diags if "divergences" in d) else []
     if div and sum(div) > 0 and not failed:  # a failed certification already names divergences
