@@ -315,6 +315,15 @@ def test_quickstart_report_renders_in_headless_chromium(tmp_path):
         assert f"Dataset {dataset}" in dom
     assert dom.count('class="verdict"') == 2 and "Reference posterior: chees" in dom
     assert "certified" in dom
+    # 64 chains: rank-ECDF differences, not 64 overlapping histograms; two-chain samplers keep histograms
+    for dataset in ("blr", "gap"):
+        assert f"<h3>{dataset}: chees rank-ECDF differences (function space)</h3>" in dom
+        assert f"<h3>{dataset}: nuts rank plots (function space)</h3>" in dom
+    # the quality-versus-cost figure names what is off its scale; the key diagnostics say what the
+    # trajectory-cut warning says
+    assert "Off the scale (hollow triangles in the grey strip at the edge, value beside them)" in dom
+    assert "trajectory kept (fraction)" in dom
+    assert "where a good posterior is more uncertain" not in dom  # captions state what is shown
 
 
 # ----------------------------------------------------------------------------- verdicts and tables

@@ -244,8 +244,9 @@ def where_checked(records: Sequence[Mapping[str, Any]]) -> str:
     if sources == ["certify_inputs"]:
         return f"Certificate checked at the {n} inputs the method was given."
     spread = " spread over the data (farthest-point sampling)" if all(i.get("indices") for i in infos) else ""
-    return (f"Certificate checked at {n} {' and '.join(sources)}{spread}; on 1-D data they are marked on the "
-            "predictive-bands figure.")
+    one_d = all((r.get("data") or {}).get("in_features") == 1 for r in ok_records(records) if r.get("is_reference"))
+    marked = "; they are marked on the predictive-bands figure" if one_d else ""  # drawn for 1-D inputs only
+    return f"Certificate checked at {n} {' and '.join(sources)}{spread}{marked}."
 
 
 def _agreement_key(records: Sequence[Mapping[str, Any]]) -> str | None:
