@@ -103,10 +103,10 @@ def _err(message: str) -> None:
 
 
 def _cmd_methods(args: argparse.Namespace) -> int:
-    from .inference import get_method, methods
-    from .inference.registry import COMMON_OPTIONS
+    # the static copy of the registry: listing names must not import torch (tests keep them equal)
+    from .method_catalog import COMMON_OPTIONS, METHODS
 
-    table = {name: {"summary": get_method(name).summary, "options": dict(get_method(name).options)} for name in methods()}
+    table = {name: {"summary": summary, "options": dict(options)} for name, (summary, options) in METHODS.items()}
     if args.json:
         print(json.dumps(table, indent=1, default=str))
         return 0
@@ -152,7 +152,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
     from .compare import ConfigError, ResultsError, load_suite, run_suite
     from .compare.executors import FuturesExecutor, InProcessExecutor
-    from .compare.grid import describe, expand, parse_only, select
+    from .compare.grid import expand, parse_only, select
     from .compare.lock import FolderLockedError
     from .compare.store import WriteError
 
@@ -190,17 +190,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         if args.workers > 1:
             args.workers = _cap_workers(args.workers, len(select(expand(suite, args.data_dir or suite.data_dir), only)))
         if args.dry_run:
-            from .compare.grid import check_plan
-            from .compare.store import cell_state
-            from pathlib import Path
-
-            cells = select(expand(suite, args.data_dir or suite.data_dir), only)
-            check_plan(suite, cells, args.data_dir or suite.data_dir)
-            print(f"{suite.name}: {describe(cells)}")
-            for c in cells:
-                state, why = cell_state(Path(args.out) / "cells" / c.id, c.config_hash, c.reference is not None)
-                print(f"  {state:10s} {c.id}{' (reference)' if c.is_reference else ''}{': ' + why if why else ''}")
-            return 0
+            return _dry_run(suite, args, only)
     except FileNotFoundError as e:
         _err(str(e))
         return 2
@@ -261,6 +251,43 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     for cid, error in summary.errors.items():
         print(f"  failed: {cid}: {error}", file=sys.stderr)
     return 0 if summary.success else 1
+
+
+#: ``--dry-run``'s label of each stored state (pyrobdl.compare.store.cell_state) and what ``compare`` does with it.
+_DRY_RUN_LABELS = {
+    "missing": ("new", "runs"),
+    "ok": ("done", "kept"),
+    "failed": ("failed", "runs again"),
+    "stale": ("stale", "configuration changed: stops the run unless --rerun-invalid sets it aside"),
+    "stale_reference": ("stale", "its reference changed: runs again"),
+    "incomplete": ("stale", "runs again"),
+    "corrupt": ("damaged", "stops the run unless --rerun-invalid sets it aside"),
+    "damaged": ("damaged", "runs again"),
+}
+
+
+def _dry_run(suite: Any, args: argparse.Namespace, only: Any) -> int:
+    """``compare --dry-run``: validate, then list every cell as new, done, failed, stale or damaged."""
+    from pathlib import Path
+
+    from .compare.grid import check_plan, describe, expand, matches, select
+    from .compare.store import cell_state
+
+    cells = select(expand(suite, args.data_dir or suite.data_dir), only)
+    check_plan(suite, cells, args.data_dir or suite.data_dir)
+    print(f"{suite.name}: {describe(cells, only)}")
+    counts: dict[str, int] = {}
+    for c in cells:
+        state, why = cell_state(Path(args.out) / "cells" / c.id, c.config_hash, c.reference is not None)
+        label, action = _DRY_RUN_LABELS.get(state, (state, ""))
+        counts[label] = counts.get(label, 0) + 1
+        role = " (reference, added by --only)" if only and not matches(c, only) else " (reference)" if (
+            c.is_reference or c.is_replicate) else ""
+        detail = "; ".join(x for x in (action if label not in ("new", "done") else "", why) if x)
+        print(f"  {label:8s} {c.id}{role}{': ' + detail if detail else ''}")
+    print("  " + ", ".join(f"{n} {label}" for label, n in counts.items())
+          + f"; compare would run {len(cells) - counts.get('done', 0)} cell(s)")
+    return 0
 
 
 def _cf_executor_type() -> type:

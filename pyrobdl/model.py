@@ -25,11 +25,19 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-def _site_prior(site: Site, prior: Prior) -> Callable[[torch.nn.Module], dist.Distribution]:
-    def make(layer: torch.nn.Module) -> dist.Distribution:
-        return prior.site_distribution(site, layer.anchor.device)
+class _SitePrior:
+    """A site's prior as ``PyroSample`` wants it, ``layer -> distribution`` on the layer's device;
+    a class rather than a closure so that a model (and a posterior holding one) pickles."""
 
-    return make
+    def __init__(self, site: Site, prior: Prior) -> None:
+        self.site, self.prior = site, prior
+
+    def __call__(self, layer: torch.nn.Module) -> dist.Distribution:
+        return self.prior.site_distribution(self.site, layer.anchor.device)
+
+
+def _site_prior(site: Site, prior: Prior) -> Callable[[torch.nn.Module], dist.Distribution]:
+    return _SitePrior(site, prior)
 
 
 def _drop_plate_dim(value: torch.Tensor, event_dim: int) -> torch.Tensor:

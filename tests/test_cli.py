@@ -88,7 +88,7 @@ def test_usage_errors_exit_2_and_name_the_problem(suite, tmp_path, capsys):
 def test_compare_dry_run_then_run_then_report(suite, tmp_path, capsys):
     out = tmp_path / "o"
     assert main(["compare", str(suite), "--out", str(out), "--dry-run"]) == 0
-    assert "missing    gap__map__split-0__seed-0" in capsys.readouterr().out
+    assert "  new      gap__map__split-0__seed-0\n" in capsys.readouterr().out
     assert main(["compare", str(suite), "--out", str(out), "--no-progress", "--threads", "1"]) == 0
     assert "1 cell(s) ran ok, 0 failed, 0 already done" in capsys.readouterr().out
     assert main(["compare", str(suite), "--out", str(out), "--no-progress"]) == 0
@@ -126,3 +126,35 @@ def test_worker_processes(suite, tmp_path, capsys):
     assert "2 cell(s) ran ok" in capsys.readouterr().out
     threads = {json.loads(p.read_text())["versions"]["torch_threads"] for p in out.glob("cells/*/result.json")}
     assert threads == {"1"}
+
+
+REFERENCED = SUITE.replace('name = "cli"', 'name = "cli"\nreference = "map"').replace(
+    "[datasets.gap]", "[methods.mean_field]\nnum_steps = 10\n[datasets.gap]")
+
+
+def test_dry_run_labels_cells_and_the_plan_names_what_only_added(tmp_path, capsys):
+    path = tmp_path / "r.toml"
+    path.write_text(textwrap.dedent(REFERENCED))
+    out = tmp_path / "o"
+    assert main(["compare", str(path), "--out", str(out), "--dry-run", "--only", "method=mean_field"]) == 0
+    text = capsys.readouterr().out
+    assert ("cli: 2 cells: 1 dataset(s) x 2 method(s) x 1 split(s) x 1 seed(s) (1 reference); --only matched 1 and "
+            "added 1 reference cell(s) (map) because the matched cells are scored against them") in text
+    assert "  new      gap__map__split-0__seed-0 (reference, added by --only)\n" in text
+    assert "  new      gap__mean_field__split-0__seed-0\n" in text
+    assert "2 new; compare would run 2 cell(s)" in text
+    # the same words in the plan line of the run itself
+    assert main(["compare", str(path), "--out", str(out), "--no-progress", "--only", "method=mean_field"]) == 0
+    assert "--only matched 1 and added 1 reference cell(s) (map)" in capsys.readouterr().out
+    # done, stale (configuration changed), damaged (a file gone)
+    assert main(["compare", str(path), "--out", str(out), "--dry-run"]) == 0
+    text = capsys.readouterr().out
+    assert "  done     gap__map__split-0__seed-0 (reference)\n" in text and "2 done" in text
+    changed = tmp_path / "c.toml"
+    changed.write_text(textwrap.dedent(REFERENCED).replace("num_steps = 10\n[datasets", "num_steps = 11\n[datasets"))
+    (out / "cells" / "gap__map__split-0__seed-0" / "arrays.npz").unlink()
+    assert main(["compare", str(changed), "--out", str(out), "--dry-run"]) == 0
+    text = capsys.readouterr().out
+    assert "  stale    gap__mean_field__split-0__seed-0: configuration changed: stops the run unless " in text
+    assert "  damaged  gap__map__split-0__seed-0 (reference): runs again; " in text
+    assert "1 damaged, 1 stale; compare would run 2 cell(s)" in text

@@ -723,3 +723,54 @@ def test_a_suite_refuses_a_checkpoint_option(tmp_path):
             + '\n[methods.chees]\nnum_chains = 4\nnum_warmup = 5\nnum_samples = 5\ncheckpoint = "mine.pt"\n')
     with pytest.raises(ConfigError, match=r"methods.chees.checkpoint: a suite keeps each cell's checkpoint itself"):
         run(write(tmp_path, text), tmp_path / "out")
+
+
+CLASSES = """
+[suite]
+name = "cls"
+num_eval_samples = 10
+inference_data = false
+[model]
+hidden = [4]
+LIKELIHOOD
+[methods.map]
+num_steps = 10
+[methods.mean_field]
+num_steps = 10
+[datasets.mine]
+source = "file"
+path = "c.csv"
+target = "label"
+TASK
+"""
+
+
+def test_the_datas_task_chooses_the_likelihood_and_a_wrong_one_is_one_line(tmp_path):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(40, 2))
+    lines = ["a,b,label"] + [f"{a},{b},{int(a > 0) + int(b > 0)}" for a, b in x]
+    (tmp_path / "c.csv").write_text("\n".join(lines))
+
+    def suite(likelihood: str, task: str):
+        return parse_suite(raw(CLASSES.replace("LIKELIHOOD", likelihood).replace("TASK", task)), tmp_path / "s.toml")
+
+    # no likelihood anywhere: the CSV's task chooses a categorical one, one output per class
+    ok = suite("", 'task = "classification"')
+    cells = expand(ok)
+    check_plan(ok, cells, None)
+    data = load_dataset("file", cells[0].spec["dataset"]["options"], 0, None, tmp_path)
+    model = build_model(cells[0].spec["model"], data)
+    assert model.likelihood.task == "classification" and model.out_features == 3
+    assert build_model({"hidden": [4]}, load_dataset("gap", SOURCES["gap"].options, 0, None, tmp_path)
+                       ).likelihood.task == "regression"
+    # a regression likelihood on class labels, and the other way round: one line each, naming the fix
+    for likelihood, task, fix in [('likelihood = { kind = "gaussian", precision = 10.0 }', 'task = "classification"',
+                                   'add model = { likelihood = { kind = "categorical" } } to the dataset\'s table'),
+                                  ('likelihood = { kind = "categorical" }', "",
+                                   'set task = "classification" in the dataset\'s table')]:
+        bad = suite(likelihood, task)
+        with pytest.raises(ConfigError) as info:
+            check_plan(bad, expand(bad), None)
+        msg = str(info.value).splitlines()
+        assert len(msg) == 2 and "(1 problem(s))" in msg[0]
+        assert "datasets.mine x methods.map, mean_field: model.likelihood: " in msg[1] and fix in msg[1]

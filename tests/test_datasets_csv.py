@@ -65,3 +65,43 @@ def test_errors_name_the_problem(table, kwargs, err, match):
 def test_missing_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="no such data file"):
         pyrobdl.datasets.load_csv(tmp_path / "none.csv", "y")
+
+
+def _csv(tmp_path, y, name="c.csv"):
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(len(y), 2))
+    path = tmp_path / name
+    np.savetxt(path, np.column_stack([x, y]), delimiter=",", header="a,b,y", comments="", fmt="%.6g")
+    return path
+
+
+def test_a_continuous_looking_target_is_refused_as_classification(tmp_path):
+    rng = np.random.default_rng(0)
+    # shaped like scikit-learn's diabetes target: whole numbers 25..346, 442 rows, ~200 distinct values
+    diabetes = rng.integers(25, 347, size=442)
+    distinct = len(np.unique(diabetes))
+    with pytest.raises(ValueError, match=rf"{distinct} distinct target values in 442 rows .*looks continuous.*"
+                                         r"task = \"regression\""):
+        pyrobdl.datasets.load_csv(_csv(tmp_path, diabetes), "y", task="classification")
+    # non-integer values: refused with how many
+    values = rng.normal(size=60)
+    with pytest.raises(ValueError, match=r"60 of 60 values are not whole numbers \(60 distinct values\)"):
+        pyrobdl.datasets.load_csv(_csv(tmp_path, values, "f.csv"), "y", task="classification")
+    with pytest.raises(ValueError, match=r"integer labels >= 0, got -1"):
+        pyrobdl.datasets.load_csv(_csv(tmp_path, np.r_[np.zeros(9), -1.0], "n.csv"), "y", task="classification")
+    # as regression the same columns load
+    assert isinstance(pyrobdl.datasets.load_csv(_csv(tmp_path, diabetes, "r.csv"), "y"), pyrobdl.datasets.RegressionData)
+
+
+def test_many_classes_with_enough_rows_each_are_classes(tmp_path):
+    from pyrobdl.datasets.tabular import CONTINUOUS_DISTINCT, MIN_ROWS_PER_LABEL
+
+    k = CONTINUOUS_DISTINCT + 10
+    labels = np.repeat(np.arange(k), MIN_ROWS_PER_LABEL)  # exactly enough rows per label
+    data = pyrobdl.datasets.load_csv(_csv(tmp_path, labels), "y", task="classification")
+    assert data.num_classes == k
+    with pytest.raises(ValueError, match="looks continuous"):  # one row fewer: refused
+        pyrobdl.datasets.load_csv(_csv(tmp_path, labels[1:], "s.csv"), "y", task="classification")
+    # few distinct values are classes whatever the row count (e.g. wine quality 3..8)
+    assert pyrobdl.datasets.load_csv(_csv(tmp_path, np.arange(3, 9), "w.csv"), "y",
+                                     task="classification").num_classes == 9

@@ -700,3 +700,18 @@ def test_adapted_nuts_energy_on_blr(blr):
     # For a Gaussian target with independent successive states E-BFMI is ~2 (iid energies) and
     # measured 1.1-1.3 here; Stan and ArviZ flag < 0.3 as a sampler that explores energies slowly.
     assert min(posterior.diagnostics["ebfmi"]) > 0.3
+
+
+def test_each_chain_progress_bar_names_its_chain_and_changes_no_draw(capfd):
+    x = torch.linspace(-1, 1, 10).unsqueeze(-1)
+    y = x[:, 0]
+    opts = dict(num_warmup=6, num_samples=6, num_chains=2, max_tree_depth=3, seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # tiny chains are not certified, and say so
+        shown = pyrobdl.fit(pyrobdl.BayesianMLP(1, (3,), 1), x, y, "nuts", progress=True, **opts)
+        err = capfd.readouterr().err
+        quiet = pyrobdl.fit(pyrobdl.BayesianMLP(1, (3,), 1), x, y, "nuts", progress=False, **opts)
+    assert "nuts chain 1/2" in err and "nuts chain 2/2" in err and "sample" in err
+    assert "nuts chain" not in capfd.readouterr().err
+    a, b = shown.sample(12), quiet.sample(12)
+    assert all(torch.equal(a[k], b[k]) for k in a)

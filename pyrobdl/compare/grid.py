@@ -233,7 +233,9 @@ def build_model(model_spec: Mapping[str, Any], data: Any) -> BayesianMLP:
     r"""Build the :class:`~pyrobdl.BayesianMLP` of a cell for its data.
 
     ``in_features`` comes from the data, ``out_features`` is 1 for regression and the number of
-    classes for classification.  A likelihood ``precision`` with ``precision_units =
+    classes for classification.  Without a ``likelihood`` in the spec the data's task chooses
+    it: a categorical likelihood for classification data (a CSV's ``task``, a built-in
+    classification dataset such as MNIST), the model's default Gaussian for regression.  A likelihood ``precision`` with ``precision_units =
     "original"`` is on the original target scale and is converted to the standardised scale
     the model is trained on: :math:`\tau_{std} = \tau\,\sigma_y^2`.
 
@@ -259,11 +261,19 @@ def build_model(model_spec: Mapping[str, Any], data: Any) -> BayesianMLP:
             except (TypeError, ValueError) as e:
                 raise ValueError(f"model.{part}: {e}") from e
     classification = hasattr(data, "num_classes")
+    if "likelihood" not in kwargs and classification:  # the data's task chooses when the suite does not
+        kwargs["likelihood"] = comps["likelihood"]["categorical"]()
     likelihood = kwargs.get("likelihood")
     task = likelihood.task if likelihood is not None else "regression"
     if classification != (task == "classification"):
-        kind = "classification" if classification else "regression"
-        raise ValueError(f"model.likelihood: a {task} likelihood cannot model {kind} data")
+        kind = model_spec["likelihood"]["kind"]
+        if classification:
+            raise ValueError(f"model.likelihood: {kind!r} is a regression likelihood but the data are class labels "
+                             f"({data.num_classes} classes); add model = {{ likelihood = {{ kind = \"categorical\" }} }} to "
+                             "the dataset's table, or leave the likelihood out and the data's task chooses it")
+        raise ValueError(f"model.likelihood: {kind!r} is a classification likelihood but the data are regression "
+                         "targets; for class labels set task = \"classification\" in the dataset's table "
+                         "(source = \"file\"), else use a regression likelihood such as { kind = \"gaussian\" }")
     x = data.x_train
     in_features = int(x[0].numel())
     out = int(data.num_classes) if classification else 1
@@ -288,6 +298,7 @@ def check_plan(suite: Suite, cells: list[Cell], data_dir: str | None) -> None:
         Listing every problem, each naming the dataset and method.
     """
     problems: list[str] = []
+    per_method: dict[tuple[str, str], list[str]] = {}
     seen: set[tuple[str, str]] = set()
     loaded: dict[str, Any] = {}
     base = suite.path.parent
@@ -317,16 +328,32 @@ def check_plan(suite: Suite, cells: list[Cell], data_dir: str | None) -> None:
             if meth.check_model is not None:
                 meth.check_model(model, c.spec["method"]["options"])
         except (TypeError, ValueError) as e:
-            problems.append(f"datasets.{c.dataset} x methods.{c.method}: {e}")
+            per_method.setdefault((c.dataset, str(e)), []).append(c.method)
+    # one line per problem: the same model problem with every method is named once
+    problems += [f"datasets.{d} x methods.{', '.join(dict.fromkeys(ms))}: {e}" for (d, e), ms in per_method.items()]
     if problems:
         raise ConfigError("\n".join([f"invalid suite {suite.path} ({len(problems)} problem(s)):",
                                      *[f"{suite.path}: {p}" for p in problems]]))
 
 
-def describe(cells: list[Cell]) -> str:
-    """One-line summary of a grid: counts of datasets, methods, splits, seeds and cells."""
+def matches(cell: Cell, only: Mapping[str, Iterable[str]]) -> bool:
+    """Whether ``cell`` matches an ``--only`` filter itself (not as a reference it pulled in)."""
+    return all(str(getattr(cell, k)) in set(v) for k, v in only.items())
+
+
+def describe(cells: list[Cell], only: Mapping[str, Iterable[str]] | None = None) -> str:
+    """One-line summary of a grid: counts of datasets, methods, splits, seeds and cells; with an
+    ``--only`` filter, how many cells it matched and how many reference cells it added (and why)."""
     n = {k: len({getattr(c, k) for c in cells if not c.is_replicate}) for k in FILTER_KEYS}
-    return (f"{len(cells)} cells: {n['dataset']} dataset(s) x {n['method']} method(s) x "
+    line = (f"{len(cells)} cells: {n['dataset']} dataset(s) x {n['method']} method(s) x "
             f"{n['split']} split(s) x {n['seed']} seed(s) ({sum(c.is_reference for c in cells)} reference"
             + (f", {reps} reference replicate" if (reps := sum(c.is_replicate for c in cells)) else "") + ")")
+    if only:
+        added = [c for c in cells if not matches(c, only)]
+        line += f"; --only matched {len(cells) - len(added)}"
+        if added:
+            names = sorted({c.method for c in added})
+            line += (f" and added {len(added)} reference cell(s) ({', '.join(names)}) because the matched cells are "
+                     "scored against them; they run first unless already done")
+    return line
 

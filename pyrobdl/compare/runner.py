@@ -726,7 +726,7 @@ def run_suite(
     run_id = new_run_id()
     with RunLock(out, run_id):
         return _run_locked(suite, grid, cells, out, run_id, data_dir, device, executor, progress, rerun_invalid,
-                           log, started, ship_data, threads)
+                           log, started, ship_data, threads, only)
 
 
 def _state(c: Cell, cells_root: Path) -> tuple[str, str]:
@@ -739,7 +739,7 @@ def _state(c: Cell, cells_root: Path) -> tuple[str, str]:
 def _run_locked(suite: Suite, grid: list[Cell], cells: list[Cell], out: Path, run_id: str, data_dir: str | None,
                 device: str | None, executor: Executor, progress: bool, rerun_invalid: bool,
                 log: Callable[[str], None], started: float, ship_data: bool = False,
-                threads: int | None = None) -> RunSummary:
+                threads: int | None = None, only: Mapping[str, Any] | None = None) -> RunSummary:
     """:func:`run_suite` once the folder's lock is held."""
     cells_root = out / "cells"
     removed = clean_tmp(cells_root)
@@ -763,7 +763,7 @@ def _run_locked(suite: Suite, grid: list[Cell], cells: list[Cell], out: Path, ru
             log(f"{state}: {cid}: {why}; it runs again")
     # the references and their replicates: independent runs, the first stage
     todo_refs = [c for c in cells if (c.is_reference or c.is_replicate) and states[c.id][0] != "ok"]
-    log(f"{suite.name}: {describe(cells)}; {sum(s == 'ok' for s, _ in states.values())} done, "
+    log(f"{suite.name}: {describe(cells, only)}; {sum(s == 'ok' for s, _ in states.values())} done, "
         f"{sum(s != 'ok' for s, _ in states.values())} to run")
     by_id = {c.id: c for c in cells}
     shipped: dict[tuple[str, int], Any] = {}

@@ -18,7 +18,7 @@ from typing import Any
 
 from ._data import FLOAT32_MAX, MAX_CLASSES, ClassificationData, RegressionData, check_float32_range
 
-__all__ = ["TASKS", "load_csv", "read_table"]
+__all__ = ["CONTINUOUS_DISTINCT", "MIN_ROWS_PER_LABEL", "TASKS", "check_class_labels", "load_csv", "read_table"]
 
 #: Values of ``task``.
 TASKS = ("regression", "classification")
@@ -144,6 +144,46 @@ def _read_table(path: Path, target: Any, delimiter: str) -> tuple[np.ndarray, np
     return np.delete(table, col, axis=1), table[:, col]
 
 
+#: A classification target with more distinct values than this, and fewer than
+#: :data:`MIN_ROWS_PER_LABEL` rows per value on average, looks like a continuous measurement.
+CONTINUOUS_DISTINCT = 20
+#: See :data:`CONTINUOUS_DISTINCT`.
+MIN_ROWS_PER_LABEL = 5
+
+
+def check_class_labels(y: np.ndarray, where: str) -> None:
+    """Refuse a classification target that is not class labels, saying what it looks like.
+
+    Parameters
+    ----------
+    y : numpy.ndarray
+        The target column.
+    where : str
+        Names the file and column in the message.
+
+    Raises
+    ------
+    ValueError
+        If values are not whole numbers (with how many), negative, or so many distinct values
+        with so few rows each (more than :data:`CONTINUOUS_DISTINCT` distinct values, fewer than
+        :data:`MIN_ROWS_PER_LABEL` rows per value) that the target looks continuous, e.g.
+        scikit-learn's diabetes progression score (214 distinct values in 442 rows).
+    """
+    y = np.asarray(y, dtype=float)
+    fractional = int(np.sum(y != np.round(y)))
+    distinct = len(np.unique(y))
+    fix = "use task = \"regression\", or number the classes 0..K-1"
+    if fractional:
+        raise ValueError(f"{where}: classification targets must be integer labels >= 0, but {fractional} of "
+                         f"{y.size} values are not whole numbers ({distinct} distinct values): it looks "
+                         f"continuous; {fix}")
+    if y.min() < 0:
+        raise ValueError(f"{where}: classification targets must be integer labels >= 0, got {y.min():g}; {fix}")
+    if distinct > CONTINUOUS_DISTINCT and y.size < MIN_ROWS_PER_LABEL * distinct:
+        raise ValueError(f"{where}: {distinct} distinct target values in {y.size} rows ({y.size / distinct:.1f} rows "
+                         f"per value): it looks continuous, not like class labels; {fix}")
+
+
 def load_csv(
     path: str | os.PathLike[str],
     target: str | int,
@@ -184,7 +224,8 @@ def load_csv(
         If ``path`` does not exist.
     ValueError
         For an unknown ``task``, a ``test_fraction`` outside (0, 1), NaN/inf in the file, too few
-        rows, or non-integer classification labels.
+        rows, or a classification target that is not class labels (see
+        :func:`check_class_labels`: non-integer values, or one that looks continuous).
 
     Examples
     --------
@@ -215,8 +256,7 @@ def load_csv(
     xs = torch.as_tensor((x - x_mean) / x_std, dtype=torch.float32)
     name = path.stem
     if task == "classification":
-        if not np.all(y == np.round(y)) or y.min() < 0:
-            raise ValueError(f"{path}: classification targets must be integer labels >= 0")
+        check_class_labels(y, f"{path}: column {target!r}")
         num_classes = int(y.max()) + 1
         if num_classes > MAX_CLASSES:
             raise ValueError(f"{path}: the largest class label is {int(y.max())}, i.e. {num_classes} classes "

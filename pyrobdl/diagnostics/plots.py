@@ -9,6 +9,7 @@ returned.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 import numpy as np
@@ -22,7 +23,8 @@ from ..posterior import Posterior
 from . import arviz_adapter
 from .metrics import ReliabilityTable
 
-__all__ = ["plot_elbo", "plot_pit", "plot_predictive_bands", "plot_rank", "plot_reliability", "plot_trace"]
+__all__ = ["plot_elbo", "plot_pit", "plot_predictive_bands", "plot_rank", "plot_rank_ecdf", "plot_reliability",
+           "plot_trace", "rank_ecdf_difference"]
 
 SPACES = ("function", "weights")
 
@@ -273,6 +275,98 @@ def plot_rank(idata: Any, *, space: str = "function", max_points: int = 4) -> Fi
         Uniform ranks in every chain mean the chains mix over the same distribution.
     """
     return arviz_adapter.plot_rank(_selection(idata, space, max_points))
+
+
+def rank_ecdf_difference(values: np.ndarray, num_points: int = 100, prob: float = 0.95
+                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per-chain ECDF of the fractional ranks minus the uniform CDF, with a simultaneous band.
+
+    Parameters
+    ----------
+    values : numpy.ndarray
+        Draws ``[chain, draw]`` of one scalar.
+    num_points : int, default 100
+        Evaluation points ``z`` in (0, 1].
+    prob : float, default 0.95
+        Chance that *every* chain stays inside the band at every ``z`` when all chains sample
+        the same distribution (each chain's band is ArviZ's optimised simultaneous ECDF band,
+        Säilynoja, Bürkner & Vehtari 2022, at ``prob ** (1 / chains)``), so a chain outside it
+        is a real outlier rather than the 1 in 20 a per-chain 95% band lets out by chance.
+
+    Returns
+    -------
+    z, diff, lower, upper : numpy.ndarray
+        ``z`` ``[P]``; ``diff`` ``[chain, P]``, ECDF minus ``z`` per chain; the band's
+        ``lower`` and ``upper`` ``[P]`` in the same units.
+    """
+    values = np.asarray(values, dtype=float)
+    chains, draws = values.shape
+    ranks = stats.rankdata(values.ravel(), method="average").reshape(chains, draws) / values.size
+    z = np.linspace(0.0, 1.0, num_points + 1)[1:]
+    diff = (ranks[:, :, None] <= z).mean(1) - z
+    lower, upper = _ecdf_band(draws, num_points, prob ** (1.0 / chains))
+    return z, diff, lower - z, upper - z
+
+
+@functools.lru_cache(maxsize=16)
+def _ecdf_band(draws: int, num_points: int, prob: float) -> tuple[np.ndarray, np.ndarray]:
+    import warnings
+
+    from .arviz_adapter import az
+
+    z = np.linspace(0.0, 1.0, num_points + 1)[1:]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ArviZ's note that its optimiser is approximate
+        return az.stats.ecdf_utils.ecdf_confidence_band(draws, z, z, prob=prob, method="optimized")
+
+
+def plot_rank_ecdf(idata: Any, *, space: str = "function", max_points: int = 4, prob: float = 0.95) -> Figure:
+    """Rank-ECDF difference plots of the same scalars as :func:`plot_rank`, readable with many chains.
+
+    Each chain is one line, the ECDF of its draws' ranks among all chains' draws minus the
+    uniform CDF; when all chains sample the same distribution, every line stays inside the
+    shaded band with probability ``prob`` (see :func:`rank_ecdf_difference`).  Lines inside it
+    are thin and grey (fainter the more chains there are); a chain that leaves it is drawn in red
+    and counted in the panel's title.
+
+    Parameters
+    ----------
+    idata : arviz.InferenceData
+        From :meth:`Posterior.to_inference_data`.
+    space : {"function", "weights"}, default "function"
+        As in :func:`plot_rank`.
+    max_points : int, default 4
+    prob : float, default 0.95
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+    """
+    ds = _selection(idata, space, max_points)
+    panels = [(f"{name}[{i}]", a) for name, da in ds.data_vars.items()
+              for i, a in enumerate(np.asarray(da.transpose("chain", "draw", ...).values).reshape(
+                  da.sizes["chain"], da.sizes["draw"], -1).transpose(2, 0, 1))]
+    cols = min(len(panels), 4)
+    rows = -(-len(panels) // cols)
+    fig = Figure(figsize=(3.4 * cols, 2.7 * rows), layout="constrained")
+    axes = np.atleast_1d(fig.subplots(rows, cols, sharey=True, squeeze=False)).ravel()
+    for ax, (title, values) in zip(axes, panels):
+        z, diff, lower, upper = rank_ecdf_difference(values, prob=prob)
+        out = np.any((diff < lower - 1e-12) | (diff > upper + 1e-12), axis=1)
+        ax.fill_between(z, lower, upper, color="C0", alpha=0.2, lw=0, label=f"all chains inside: {100 * prob:.0f}%")
+        alpha = 0.8 if len(diff) <= 8 else max(0.06, min(0.5, 8.0 / len(diff)))
+        for row in diff[~out]:
+            ax.plot(z, row, color="0.35", lw=0.7, alpha=alpha)
+        for row in diff[out]:
+            ax.plot(z, row, color="C3", lw=1.0)
+        ax.axhline(0.0, color="k", lw=0.5)
+        ax.set_title(f"{title}: {int(out.sum())} of {len(diff)} chains outside", fontsize=9)
+        ax.set_xlabel("fractional rank")
+    for ax in axes[len(panels):]:
+        ax.set_visible(False)
+    axes[0].set_ylabel("ECDF − uniform")
+    axes[0].legend(fontsize=7, loc="lower left")
+    return fig
 
 
 def plot_trace(idata: Any, *, space: str = "function", max_points: int = 4) -> Figure:

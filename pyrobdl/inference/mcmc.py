@@ -39,6 +39,7 @@ from .mcmc_kernels import (
     INIT_STRATEGIES,
     MAX_NUM_STEPS,
     POTENTIALS,
+    _chain_bar,
     _check_direct,
     _check_options,
     _Counted,
@@ -220,7 +221,7 @@ def run_mcmc(
         member = None if members is None else {k: v[chain] for k, v in members.items()}
         strategy, grads = _init_strategy(model, x, y, options, seed, member)
         map_grads += grads
-        chains.append(_run_chain(model, x, y, method, (potential, transforms), strategy, options, progress))
+        chains.append(_run_chain(model, x, y, method, (potential, transforms), strategy, options, progress, chain))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     clock = (time.perf_counter() - start, time.process_time() - cpu_start)
@@ -263,11 +264,12 @@ def _posterior(model: Any, x: torch.Tensor, method: str, chains: list[tuple], ma
 
 
 def _run_chain(model: Any, x: torch.Tensor, y: torch.Tensor, method: str, potential: tuple[Callable, Mapping],
-               strategy: Callable, options: Mapping[str, Any], progress: bool) -> tuple[dict, list, float, int]:
+               strategy: Callable, options: Mapping[str, Any], progress: bool,
+               chain: int) -> tuple[dict, list, float, int]:
     """One chain of ``method`` from ``strategy``'s starting point; ``potential``: the potential and
     the sites' transforms.  Returns its draws ``[1, draws, ...]`` per site, its per-iteration rows,
     the fraction of sampling iterations that moved, and its potential evaluations outside the
-    leapfrog steps (step-size searches, initialisation)."""
+    leapfrog steps (step-size searches, initialisation); ``chain`` (0-based) names its progress bar."""
     potential, transforms = potential
     init, plain, _, _ = initialize_model(model, (x, y), init_strategy=strategy)
     if options["potential"] == "direct":
@@ -275,9 +277,15 @@ def _run_chain(model: Any, x: torch.Tensor, y: torch.Tensor, method: str, potent
     counter = _Counted(potential)
     kernel = _make_kernel(method, counter, transforms, options)
     kernel._start_recording(counter)
+    bar = _chain_bar(method, chain, options, progress)
     mcmc = MCMC(kernel, num_samples=options["num_samples"], warmup_steps=options["num_warmup"],
-                initial_params=init, disable_progbar=not progress, transforms=transforms)
-    mcmc.run()
+                initial_params=init, disable_progbar=True, transforms=transforms,
+                hook_fn=None if bar is None else bar.hook)
+    try:
+        mcmc.run()
+    finally:
+        if bar is not None:
+            bar.close()
     return (mcmc.get_samples(group_by_chain=True), kernel.rows, kernel.moved / options["num_samples"],
             counter.calls - sum(r[1] for r in kernel.rows))
 

@@ -228,3 +228,31 @@ def _check_options(options: Mapping[str, Any]) -> None:
             if options["num_steps"] > options["max_num_steps"]:
                 raise ValueError(f"num_steps={options['num_steps']} exceeds max_num_steps="
                                  f"{options['max_num_steps']}: raise max_num_steps or lower num_steps")
+
+
+class _ChainBar:
+    """One chain's progress bar, named by method and chain (Pyro's own bar says only "Warmup" or
+    "Sample", and each chain here is a separate one-chain run); driven by MCMC's ``hook_fn``."""
+
+    def __init__(self, method: str, chain: int, num_chains: int, total: int) -> None:
+        from tqdm.auto import tqdm
+
+        self.name = f"{method} chain {chain + 1}/{num_chains}"
+        self.bar = tqdm(total=total, desc=f"{self.name} warmup", leave=False, mininterval=0.5)
+        self.stage = "Warmup"
+
+    def hook(self, kernel: Any, params: Any, stage: str, i: int) -> None:
+        if stage != self.stage:
+            self.stage = stage
+            self.bar.set_description(f"{self.name} {stage.lower()}")  # shown at once: the switch to sampling is news
+        self.bar.set_postfix(kernel.logging(), refresh=False)
+        self.bar.update()
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _chain_bar(method: str, chain: int, options: Mapping[str, Any], progress: bool) -> _ChainBar | None:
+    if not progress:
+        return None
+    return _ChainBar(method, chain, options["num_chains"], options["num_warmup"] + options["num_samples"])

@@ -17,6 +17,7 @@ import numpy as np
 
 from .model import Figure
 from .tables import HIGHER_IS_BETTER, by_method, mean_se, metric_values, ok_records
+from .verdicts import TOLERANCE
 
 __all__ = [
     "FIGURES", "adaptive_reliability", "calibration", "elbo_curves", "encode", "pareto_front", "predictive_bands",
@@ -117,14 +118,14 @@ def quality_vs_cost(records: Sequence[Mapping[str, Any]], dataset: str) -> Figur
     colors = _colors(list(groups))
     markers = {label: MARKERS[i % len(MARKERS)] for i, label in enumerate(groups)}
     ys = {label: mean_se(metric_values(recs, metric)) for label, recs in groups.items()}
-    lo, hi = _robust_range([m for m, _, n in ys.values() if n], higher_is_better=up)
+    lo, hi = _robust_range([m for m, _, n in ys.values() if n], higher_is_better=up, keep_within=TOLERANCE.get(metric))
     pad = 0.08 * (hi - lo) if hi > lo else 1.0
     # off-scale methods: each its own row beyond the edge (the worst outermost), so that two of
     # similar cost do not write their values over each other
     below = sorted((k for k, (m, _, n) in ys.items() if n and m < lo), key=lambda k: -ys[k][0])
     above = sorted((k for k, (m, _, n) in ys.items() if n and m > hi), key=lambda k: ys[k][0])
-    edges = {k: lo - (0.6 + _ROW * i) * pad for i, k in enumerate(below)}
-    edges.update({k: hi + (0.6 + _ROW * i) * pad for i, k in enumerate(above)})
+    edges = {k: lo - (0.8 + _ROW * i) * pad for i, k in enumerate(below)}
+    edges.update({k: hi + (0.8 + _ROW * i) * pad for i, k in enumerate(above)})
     fig = _new(13, 5.2 + 0.25 * max(len(below) + len(above) - 1, 0))
     axes = fig.subplots(1, 2, sharey=True)
     clipped = []
@@ -166,12 +167,22 @@ def quality_vs_cost(records: Sequence[Mapping[str, Any]], dataset: str) -> Figur
             ax.set_xlim(10 ** math.floor(math.log10(min(xs) / 1.5)), 10 ** math.ceil(math.log10(max(xs) * 4)))
         ax.set_xlabel(COST_AXES[key])
         ax.grid(alpha=0.3)
-    axes[0].set_ylim(lo - (1.2 + _ROW * max(len(below) - 1, 0)) * pad, hi + (1.2 + _ROW * max(len(above) - 1, 0)) * pad)
+    bottom, top = lo - (1.4 + _ROW * max(len(below) - 1, 0)) * pad, hi + (1.4 + _ROW * max(len(above) - 1, 0)) * pad
+    axes[0].set_ylim(bottom, top)
+    ticks = [t for t in axes[0].get_yticks() if lo - 0.3 * pad <= t <= hi + 0.3 * pad]
+    for ax in axes:  # the off-scale rows sit in a grey strip without ticks: their height is no value
+        if below:
+            ax.axhspan(bottom, lo - 0.3 * pad, color="0.93", lw=0, zorder=0)
+        if above:
+            ax.axhspan(hi + 0.3 * pad, top, color="0.93", lw=0, zorder=0)
+    axes[0].set_yticks(ticks)
+    axes[0].set_ylim(bottom, top)
     for names in panels:
         _spread_labels(fig, names)
     unit = METRIC_UNITS.get(metric, "")
     axes[0].set_ylabel(f"{metric}{' (' + unit + ')' if unit else ''}, {'higher' if up else 'lower'} is better")
-    note = f" Off the scale (hollow triangles at the edge, value beside them): {', '.join(clipped)}." if clipped else ""
+    note = (f" Off the scale (hollow triangles in the grey strip at the edge, value beside them): {', '.join(clipped)}."
+            if clipped else "")
     return encode(fig, f"{dataset}: quality versus cost",
                   f"{metric}, mean ± s.e. over splits and seeds, against the mean cost of a fit: gradient evaluations "
                   f"(left) and {'process CPU seconds' if _cost_key(groups) == 'cpu_time_s' else 'wall seconds'} (right; "
@@ -179,49 +190,85 @@ def quality_vs_cost(records: Sequence[Mapping[str, Any]], dataset: str) -> Figur
                   f"other method beats on both quality and cost.{note}")
 
 
+#: Methods worse than this many median absolute deviations from the median are off scale.
+OFF_SCALE_MADS = 5
+
 #: Distance between two rows of off-scale methods, in units of the plot's padding (8% of the range).
 _ROW = 1.0
 
 
-def _spread_labels(fig: Any, labels: Sequence[Any], gap_px: float = 1.0) -> None:
-    """Move a panel's method labels apart until no two overlap: from the lowest up, a label that
-    overlaps one already placed goes up just past it (each stays beside its own point)."""
-    if len(labels) < 2:
+#: Where a method's label may go, in points from its marker, tried in this order: right, left,
+#: above, below, then the diagonals farther out (drawn with a thin leader line).
+_LABEL_OFFSETS = ((7, 3), (7, -11), ("left", 3), ("left", -11), (-8, 10), (-8, -18),
+                  (16, 16), (16, -24), ("left2", 16), ("left2", -24), (24, 30), (24, -38), ("left2", 30),
+                  ("left2", -38))
+
+
+def _spread_labels(fig: Any, labels: Sequence[Any], gap_px: float = 2.0) -> None:
+    """Place a panel's method labels so that none overlaps another label or any method's marker.
+
+    Each label tries the offsets of :data:`_LABEL_OFFSETS` in turn and takes the first whose box
+    is clear of the markers (a square of 12 px around each) and of the labels placed before it;
+    one placed away from its marker gets a thin leader line.  When every offset collides the
+    label goes up, past the labels it overlaps (it still overlaps no other label).
+    """
+    if not labels:
         return
     from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.transforms import Bbox
 
     renderer = FigureCanvasAgg(fig).get_renderer()
     fig.draw_without_rendering()  # the constrained layout, so that the extents are final
-    points_per_px = 72.0 / fig.dpi
-    boxes = {id(t): t.get_window_extent(renderer) for t in labels}
+    px_per_point = fig.dpi / 72.0
+    ax = labels[0].axes
+    frame = ax.get_window_extent(renderer)
+    anchors = {id(t): ax.transData.transform(t.xy) for t in labels}
+    markers = [Bbox.from_extents(x - 6, y - 6, x + 6, y + 6) for x, y in anchors.values()]
     placed: list = []
-    for text in sorted(labels, key=lambda t: boxes[id(t)].y0):
-        box = boxes[id(text)]
-        moved = 0.0
-        for _ in range(len(placed)):
-            hits = [b for b in placed if b.overlaps(box)]
-            if not hits:
+    for text in sorted(labels, key=lambda t: anchors[id(t)][1]):
+        width = text.get_window_extent(renderer).width / px_per_point
+        ax_x, ax_y = anchors[id(text)]
+        box = None
+        for dx, dy in _LABEL_OFFSETS:
+            dx = {"left": -7 - width, "left2": -16 - width}.get(dx, dx) if isinstance(dx, str) else dx
+            text.xyann = (dx, dy)
+            cand = text.get_window_extent(renderer).padded(gap_px / 2)
+            if (not any(cand.overlaps(b) for b in markers + placed)
+                    and frame.x0 <= cand.x0 and cand.x1 <= frame.x1 and frame.y0 <= cand.y0 and cand.y1 <= frame.y1):
+                box = cand
                 break
-            step = max(b.y1 for b in hits) - box.y0 + gap_px
-            box = box.translated(0, step)
-            moved += step
-        if moved:
-            dx, dy = text.xyann
-            text.xyann = (dx, dy + moved * points_per_px)
+        if box is None:  # crowded: first offset, moved up past the labels it overlaps
+            text.xyann = _LABEL_OFFSETS[0]
+            box = text.get_window_extent(renderer).padded(gap_px / 2)
+            for _ in range(len(placed)):
+                hits = [b for b in placed if b.overlaps(box)]
+                if not hits:
+                    break
+                step = max(b.y1 for b in hits) - box.y0 + gap_px
+                box = box.translated(0, step)
+                text.xyann = (text.xyann[0], text.xyann[1] + step / px_per_point)
+        if abs(text.xyann[1]) > 12 or abs(text.xyann[0]) > 8 + width:  # a leader line back to the marker
+            end = (min(max(ax_x, box.x0), box.x1), min(max(ax_y, box.y0), box.y1))  # the box's nearest point
+            (x0, y0), (x1, y1) = ax.transData.inverted().transform([(ax_x, ax_y), end])
+            ax.plot([x0, x1], [y0, y1], color=text.get_color(), lw=0.5, zorder=1)
         placed.append(box)
 
 
-def _robust_range(values: Sequence[float], *, higher_is_better: bool) -> tuple[float, float]:
-    """A y range holding the bulk of ``values``: points worse than 20 median absolute deviations
-    from the median (on the bad side only) are left out, so one diverged fit (test LL -41 beside
-    values near 0.5) does not flatten every other point into a line."""
+def _robust_range(values: Sequence[float], *, higher_is_better: bool,
+                  keep_within: float | None = None) -> tuple[float, float]:
+    """A y range holding the bulk of ``values``: points worse than :data:`OFF_SCALE_MADS` median
+    absolute deviations from the median (on the bad side only) are left out, so that poor fits
+    (test LL -1 or -41 beside values near 0.6) do not squash the good methods into a line; they
+    are drawn at the axis edge with their values.  Values within ``keep_within`` of the best
+    (the verdict's :data:`~pyrobdl.report.verdicts.TOLERANCE`) always stay on the scale."""
     v = np.asarray([x for x in values if np.isfinite(x)], dtype=float)
     if v.size == 0:
         return 0.0, 1.0
     med = float(np.median(v))
     mad = float(np.median(np.abs(v - med)))
-    limit = 20 * max(mad, 1e-3 * max(abs(med), 1.0))
-    kept = v[v >= med - limit] if higher_is_better else v[v <= med + limit]
+    limit = OFF_SCALE_MADS * max(mad, 1e-3 * max(abs(med), 1.0))
+    tol = keep_within if keep_within is not None else 0.0
+    kept = v[(v >= med - limit) | (v >= v.max() - tol)] if higher_is_better else v[(v <= med + limit) | (v <= v.min() + tol)]
     return float(kept.min()), float(kept.max())
 
 
@@ -263,8 +310,7 @@ def predictive_bands(records: Sequence[Mapping[str, Any]], dataset: str) -> Figu
     axes[0].legend(fontsize=7, loc="best")
     if marked:
         next(ax for ax, (_, _, c) in zip(axes, panels) if c is not None).legend(fontsize=7, loc="best")
-    gap_note = (f" Shaded: the gap in the training inputs ({gap[0]:.2g} to {gap[1]:.2g}), where a good posterior "
-                "is more uncertain." if gap is not None else "")
+    gap_note = (f" Shaded: the gap in the training inputs ({gap[0]:.2g} to {gap[1]:.2g})." if gap is not None else "")
     cert_note = (" Red ticks on the x-axis: the held-back inputs the chains were certified at." if marked else "")
     return encode(fig, f"{dataset}: predictive bands",
                   "First split and seed of each method; inputs and targets on the original scale; bands ±2 sd of the "
@@ -420,11 +466,28 @@ def rank_plots(records: Sequence[Mapping[str, Any]], dataset: str) -> list[Figur
         idata = az.from_netcdf(str(Path(first["_dir"]) / name))
         if "sample_stats" not in idata.groups() or idata.posterior.sizes.get("chain", 1) < 2:
             continue
+        chains = int(idata.posterior.sizes["chain"])
+        what = ("the top-class probability" if "class" in idata.posterior_predictive["f"].dims
+                else "the network output")
+        if chains > MAX_RANK_HISTOGRAMS:
+            fig = plots.plot_rank_ecdf(idata, space="function", max_points=4)
+            out.append(encode(fig, f"{dataset}: {label} rank-ECDF differences (function space)",
+                              f"Split {first['split']}, seed {first['seed']}, {chains} chains: for {what} at 4 test "
+                              "inputs, each line is one chain's ECDF of its draws' ranks among all chains' draws minus "
+                              "the uniform CDF. When every chain samples the same distribution, all lines stay inside "
+                              "the shaded band with 95% probability; chains outside it are drawn in red and counted "
+                              "in each panel's title."))
+            continue
         fig = plots.plot_rank(idata, space="function", max_points=4)
         out.append(encode(fig, f"{dataset}: {label} rank plots (function space)",
-                          f"Split {first['split']}, seed {first['seed']}: ranks of the network output at 4 test "
-                          "inputs, per chain; uniform histograms mean the chains agree."))
+                          f"Split {first['split']}, seed {first['seed']}, {chains} chains: histograms of the ranks of "
+                          f"{what} at 4 test inputs, one per chain; when the chains sample the same distribution "
+                          "each histogram is flat up to noise."))
     return out
+
+
+#: Above this many chains the rank plots are rank-ECDF differences (histograms overlap into a block).
+MAX_RANK_HISTOGRAMS = 4
 
 
 FIGURES: tuple[Callable[[Sequence[Mapping[str, Any]], str], Figure | list[Figure] | None], ...] = (

@@ -79,10 +79,35 @@ KEY_DIAGNOSTICS = (
     ("divergences ↓", "divergences"),
     ("tree depth hit (fraction) ↓", "max_tree_depth_fraction"),
     ("step cap hits ↓", "num_steps_cap_hits_sampling"),
+    ("trajectory kept (fraction) ↑", "trajectory_length_kept"),
     ("E-BFMI ↑", "ebfmi"),
     ("PSIS-LOO max k̂ ↓", "loo_pareto_k_max"),
     ("VI k̂ ↓", "vi_pareto_k"),
 )
+def trajectory_length_kept(diagnostics: Mapping[str, Any]) -> float | None:
+    """Share of the adapted trajectory length a sampler kept after ``max_num_steps`` cut it
+    (chees: ``trajectory_length / trajectory_length_wanted``; 1.0 when not cut), or None when the
+    method does not record it.  The one source of the key-diagnostics column and of the verdict's
+    flag, which say what the fit's warning says."""
+    wanted, kept = diagnostics.get("trajectory_length_wanted"), diagnostics.get("trajectory_length")
+    if not (_finite(wanted) and _finite(kept) and wanted > 0):
+        return None
+    return min(1.0, float(kept) / float(wanted)) if diagnostics.get("trajectory_length_capped") else 1.0
+
+
+#: Diagnostics computed from stored ones (one function each; the table and the verdict read them).
+DERIVED_DIAGNOSTICS = {"trajectory_length_kept": trajectory_length_kept}
+
+
+def diagnostic_value(record: Mapping[str, Any], key: str) -> Any:
+    """A key diagnostic of one cell: a flattened ``diagnostics`` key, a derived one
+    (:data:`DERIVED_DIAGNOSTICS`) or a ``train_metrics`` key; None when absent."""
+    diags = record.get("diagnostics") or {}
+    if key in DERIVED_DIAGNOSTICS:
+        return DERIVED_DIAGNOSTICS[key](diags)
+    return _flatten(diags).get(key, (record.get("train_metrics") or {}).get(key))
+
+
 #: Metrics derived from stored ones for comparison with published numbers.
 DERIVED = {"test_error": ("accuracy", lambda a: 1.0 - a)}
 #: Key of ``pyrobdl.diagnostics.evaluate`` saying whether the reference was certified (1.0 / 0.0):
@@ -590,8 +615,7 @@ def diagnostics_tables(records: Sequence[Mapping[str, Any]]) -> list[Table]:
     worst = {"divergences", "max_tree_depth_fraction", "num_steps_cap_hits_sampling"}
     present = []
     for header, key in KEY_DIAGNOSTICS:
-        if any(key in _flatten(r.get("diagnostics") or {}) or key in (r.get("train_metrics") or {})
-               for recs in groups.values() for r in recs):
+        if any(diagnostic_value(r, key) is not None for recs in groups.values() for r in recs):
             present.append((header, key))
     columns = []
     for _, key in present:
@@ -599,7 +623,7 @@ def diagnostics_tables(records: Sequence[Mapping[str, Any]]) -> list[Table]:
         for recs in groups.values():
             vals = []
             for r in recs:
-                v = _flatten(r.get("diagnostics") or {}).get(key, (r.get("train_metrics") or {}).get(key))
+                v = diagnostic_value(r, key)
                 flat = [x for x in np.ravel(np.asarray(v, dtype=object)) if _finite(x)] if v is not None else []
                 if flat:
                     vals.append(max(flat) if key in worst else float(np.mean(flat)))
@@ -612,7 +636,9 @@ def diagnostics_tables(records: Sequence[Mapping[str, Any]]) -> list[Table]:
         tables.append(Table(
             "Key diagnostics", ("method", *[h for h, _ in present]), tuple(key_rows), (),
             "Certification wants function-space R-hat below 1.01, bulk and tail ESS of at least 400, no divergences "
-            "and E-BFMI above 0.2 (docs/diagnostics.md); any tree-depth or step-cap hit shortens trajectories; "
+            "and E-BFMI above 0.2 (docs/diagnostics.md); any tree-depth or step-cap hit shortens trajectories, and so does "
+            "a trajectory length cut by max_num_steps (trajectory kept below 1: the share of the adapted length "
+            "kept); "
             "Pareto k̂ above 0.7 makes importance weights unreliable. Divergences and saturation: worst chain."))
     if other_rows:
         tables.append(Table("All method diagnostics", ("method", "diagnostic", "mean (± s.e. over cells)", "range", "cells"),

@@ -10,11 +10,14 @@ Computed from stored records only (like every table), as short sentences:
   distance in units of it and whether the closest method is resolved from the next one
   (:mod:`pyrobdl.report.resolution`);
 * the cheapest method (process CPU seconds of the fit; gradient evaluations where CPU time was
-  not recorded) whose headline metric is within :data:`TOLERANCE` of the best;
+  not recorded) whose headline metric is within :data:`TOLERANCE` of the best.  CPU seconds
+  within the noise of the cheapest (:func:`cost_band`) are a tie, broken by gradient
+  evaluations, and the sentence says "tie"; methods equal on both are named together;
 * every method flagged, each with its reasons in words (see :func:`method_flags`).
 
 Thresholds are named here so the report's words and the docs agree:
-:data:`TOLERANCE`, :data:`LOW_COVERAGE`, :data:`BAD_PARETO_K`, :data:`STILL_IMPROVING`.
+:data:`TOLERANCE`, :data:`COST_TIE`, :data:`COST_TIE_S`, :data:`LOW_COVERAGE`, :data:`BAD_PARETO_K`,
+:data:`STILL_IMPROVING`.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from .resolution import closest_sentence, meaningful_without_certificate, resolu
 from .tables import (
     HIGHER_IS_BETTER,
     by_method,
+    diagnostic_value,
     mean_se,
     metric_values,
     ok_records,
@@ -42,10 +46,14 @@ from .tables import (
 
 __all__ = [
     "BAD_PARETO_K",
+    "COST_TIE",
+    "COST_TIE_S",
     "HEADLINE_METRICS",
     "LOW_COVERAGE",
     "STILL_IMPROVING",
     "TOLERANCE",
+    "cheapest",
+    "cost_band",
     "cost_of",
     "headline_metric",
     "method_flags",
@@ -56,6 +64,12 @@ __all__ = [
 HEADLINE_METRICS = ("test_ll", "accuracy", "nll", "rmse")
 #: "Within tolerance of the best", per headline metric (test LL: nats per test point).
 TOLERANCE = {"test_ll": 0.1, "accuracy": 0.01, "nll": 0.1, "rmse": 0.05}
+#: Fit costs in CPU seconds within this share of the cheapest one are a tie (see :func:`cost_band`).
+COST_TIE = 0.25
+#: ... or within this many CPU seconds: the CPU time of a sub-second fit moves by tenths of a
+#: second between repeats on a loaded machine (docs/compare.md, "Verdict"), which once named
+#: ``ensemble`` (0.62 CPU s) and once ``map`` as the cheapest of the same suite.
+COST_TIE_S = 0.5
 #: A 90% central predictive interval covering fewer test points than this is overconfident.
 LOW_COVERAGE = 0.7
 #: Pareto k-hat above this: importance weights unreliable (Vehtari et al. 2017; Yao et al. 2018).
@@ -79,6 +93,69 @@ def cost_of(recs: Sequence[Mapping[str, Any]]) -> tuple[float, str]:
     if cpu and all(isinstance(v, (int, float)) and math.isfinite(v) for v in cpu):
         return float(np.mean(cpu)), "CPU s"
     return mean_se([c.get("gradient_evaluations") for c in costs])[0], "gradient evaluations"
+
+
+def cost_band(recs: Sequence[Mapping[str, Any]], value: float) -> float:
+    """CPU seconds above ``value`` (the cheapest method's mean cost) that are still a tie with it.
+
+    The largest of :data:`COST_TIE` times ``value``, :data:`COST_TIE_S`, and twice the standard
+    deviation of the cheapest method's CPU seconds over its cells (its repeat-to-repeat spread,
+    where it has several).
+    """
+    cpu = [float((r.get("cost") or {}).get("cpu_time_s")) for r in recs]
+    spread = 2 * float(np.std(cpu, ddof=1)) if len(cpu) > 1 else 0.0
+    return max(COST_TIE * value, COST_TIE_S, spread)
+
+
+def cheapest(groups: Mapping[str, Sequence[Mapping[str, Any]]]) -> tuple[list[str], list[str], str]:
+    """The cheapest of ``groups`` (method -> its cells), robust to timing noise.
+
+    Returns ``(winners, tied, unit)``: ``winners`` is the cheapest method, or several (sorted by
+    name) when they tie on every measure; ``tied`` the other methods whose CPU seconds were within
+    :func:`cost_band` of the cheapest, beaten on gradient evaluations; ``unit`` the cost read
+    first ("CPU s", or "gradient evaluations" where some cell did not record CPU time).
+    """
+    costs = {m: cost_of(recs) for m, recs in groups.items()}
+    grads = {m: mean_se([(r.get("cost") or {}).get("gradient_evaluations") for r in recs])[0]
+             for m, recs in groups.items()}
+    grads = {m: g if math.isfinite(g) else math.inf for m, g in grads.items()}
+    if any(unit != "CPU s" for _, unit in costs.values()):  # exact counts: only equal ones tie
+        low = min(grads.values())
+        return sorted(m for m in groups if grads[m] == low), [], "gradient evaluations"
+    first = min(groups, key=lambda m: costs[m][0])
+    band = cost_band(groups[first], costs[first][0])
+    near = [m for m in groups if costs[m][0] <= costs[first][0] + band]
+    low = min(grads[m] for m in near)
+    winners = sorted(m for m in near if grads[m] == low)
+    return winners, sorted(set(near) - set(winners), key=lambda m: grads[m]), "CPU s"
+
+
+def _cheapest_sentence(metric: str, tol: float, groups: Mapping[str, Sequence[Mapping[str, Any]]],
+                       means: Mapping[str, tuple[float, float, int]]) -> str:
+    winners, beaten, unit = cheapest(groups)
+    costs = {m: cost_of(groups[m])[0] for m in groups}
+    grads = {m: mean_se([(r.get("cost") or {}).get("gradient_evaluations") for r in groups[m]])[0] for m in groups}
+
+    def what(m: str) -> str:
+        cpu = f"{_num(costs[m])} CPU s, " if unit == "CPU s" else ""
+        return f"{metric} {_num(means[m][0])}, {cpu}{_count(grads[m])} gradient evaluations per fit"
+
+    head = f"Cheapest within {tol} of the best {metric}: "
+    if len(winners) > 1:
+        on = "CPU seconds within noise and equal gradient evaluations" if unit == "CPU s" else "equal gradient evaluations"
+        names = f"{', '.join(winners[:-1])} and {winners[-1]}"
+        return head + f"a tie between {names} ({on}; " + "; ".join(
+            f"{m}: {what(m)}" for m in winners) + ")."
+    line = head + f"{winners[0]} ({what(winners[0])})."
+    if beaten:
+        line += (f" A tie on CPU time with {', '.join(f'{m} ({_num(costs[m])} CPU s)' for m in beaten)} (CPU seconds "
+                 f"within {100 * COST_TIE:.0f}%, {COST_TIE_S} s or twice the cells' spread of the cheapest are a tie), broken by gradient "
+                 "evaluations (" + ", ".join(f"{m}: {_count(grads[m])}" for m in beaten) + ").")
+    return line
+
+
+def _count(v: float) -> str:
+    return f"{v:,.0f}" if math.isfinite(v) else "—"
 
 
 def _num(v: float) -> str:
@@ -113,7 +190,7 @@ def method_flags(recs: Sequence[Mapping[str, Any]]) -> list[str]:
     """Reasons, in words, not to trust one method's cells (empty when none).
 
     Read from the records: a failed certification (Markov chains), tree-depth or step-cap
-    saturation, divergences, 90% coverage below :data:`LOW_COVERAGE`, Pareto k-hat of PSIS-LOO
+    saturation, an adapted trajectory length cut by ``max_num_steps``, divergences, 90% coverage below :data:`LOW_COVERAGE`, Pareto k-hat of PSIS-LOO
     or of the variational fit above :data:`BAD_PARETO_K`, and an SVI objective still improving
     at the end of training.
     """
@@ -130,6 +207,10 @@ def method_flags(recs: Sequence[Mapping[str, Any]]) -> list[str]:
     caps = [c for d in diags for c in (d.get("num_steps_cap_hits_sampling") or [])]
     if caps and max(caps) > 0:
         flags.append(f"leapfrog-step cap cut {sum(caps)} sampling trajectories")
+    kept = [k for k in (diagnostic_value(r, "trajectory_length_kept") for r in recs) if k is not None]
+    if kept and min(kept) < 1:
+        flags.append(f"max_num_steps cut the adapted trajectory length to {100 * min(kept):.2g}% of what the "
+                     "adaptation wanted (every draw moves less than intended; column 'trajectory kept')")
     div = [c for d in diags for c in (d.get("divergences") or [])] if all(
         isinstance(d.get("divergences"), list) for d in diags if "divergences" in d) else []
     if div and sum(div) > 0 and not failed:  # a failed certification already names divergences
@@ -163,8 +244,9 @@ def where_checked(records: Sequence[Mapping[str, Any]]) -> str:
     if sources == ["certify_inputs"]:
         return f"Certificate checked at the {n} inputs the method was given."
     spread = " spread over the data (farthest-point sampling)" if all(i.get("indices") for i in infos) else ""
-    return (f"Certificate checked at {n} {' and '.join(sources)}{spread}; on 1-D data they are marked on the "
-            "predictive-bands figure.")
+    one_d = all((r.get("data") or {}).get("in_features") == 1 for r in ok_records(records) if r.get("is_reference"))
+    marked = "; they are marked on the predictive-bands figure" if one_d else ""  # drawn for 1-D inputs only
+    return f"Certificate checked at {n} {' and '.join(sources)}{spread}{marked}."
 
 
 def _agreement_key(records: Sequence[Mapping[str, Any]]) -> str | None:
@@ -213,11 +295,7 @@ def verdict(records: Sequence[Mapping[str, Any]]) -> tuple[str, ...]:
             lines.append(f"Best {metric} ({'higher' if up else 'lower'} is better): {best}, {_num(means[best][0])}.")
             tol = TOLERANCE[metric]
             near = [m for m, v in means.items() if (means[best][0] - v[0]) * (1 if up else -1) <= tol]
-            costs = {m: cost_of(groups[m]) for m in near}
-            cheapest = min(near, key=lambda m: costs[m][0])
-            value, unit = costs[cheapest]
-            lines.append(f"Cheapest within {tol} of the best {metric}: {cheapest} ({metric} {_num(means[cheapest][0])}, "
-                         f"{_num(value)} {unit} per fit).")
+            lines.append(_cheapest_sentence(metric, tol, {m: groups[m] for m in near}, means))
     key = _agreement_key(records)
     if key is not None:
         dist = {m: mean_se(metric_values([r for r in recs if (r.get("reference") or {}).get("used")], key))
