@@ -30,10 +30,22 @@ pyrobdl runs ``fit(..., method="chees", num_chains=K)`` (all other options at th
 target acceptance 0.651, ``chunk_size="auto"``, init from the prior).  For each run: wall and CPU
 seconds of the sampler (NumPyro: warm-up + sampling; chees: the fit's own clocks, ``Cost``),
 chain-gradients (warm-up, step-size searches and sampling included), CPU microseconds per
-gradient, minimum and median bulk ESS of the function values at the first 50 training inputs
-(``pyrobdl.diagnostics.convergence``, equal to ArviZ's), those per CPU second and their ratio to the
-same seed's NumPyro run, the maximum split R-hat, and (chees) the certification.  With two or
-more seeds, NumPyro and the chees runs are interleaved (the order is reversed every other seed).
+gradient, minimum and median bulk ESS of the function values at 50 held-out inputs
+(``nuts_vs_numpyro.make_test_inputs``: drawn like the training inputs from their own random
+stream, none of them a training input; ``pyrobdl.diagnostics.convergence``, equal to ArviZ's),
+those per CPU second and their ratio to the same seed's NumPyro run, the maximum split R-hat, and
+(chees) the certification.  With two or more seeds, NumPyro and the chees runs are interleaved
+(the order is reversed every other seed).
+
+Two protocols (``--protocols``; both by default, every chees row says which):
+
+- ``equal-per-chain`` (the default comparison): every sampler the same warm-up and the same
+  draws per chain — chees ``--chees-warmup`` (default ``--numpyro-warmup``) + ``--numpyro-samples``
+  per chain, like NumPyro's chains;
+- ``equal-total``: chees keeps as many draws in all as NumPyro's chains x draws
+  (``max(--chees-min-samples, ceil(--chees-draws / K))`` per chain, ``--chees-draws`` default
+  ``--numpyro-chains`` x ``--numpyro-samples``) after the same warm-up per chain — the protocol this
+  script used alone before issue 41; with many chains most of chees's gradients are then warm-up.
 
 NumPyro and JAX are benchmark-only dependencies: ``pip install -e '.[bench]'``.
 
@@ -42,15 +54,14 @@ Usage::
     nice -n 10 python comparisons/benchmarks/chees_vs_numpyro.py [--seeds 0 1]
         [--numpyro-warmup 300] [--numpyro-samples 300] [--numpyro-chains 2] [--max-tree-depth 10]
         [--chees-chains 8 32 128] [--chees-warmup 300] [--chees-draws 600] [--chees-min-samples 20]
+        [--protocols equal-per-chain equal-total]
         [--micro-chains 1 8 32 128] [--micro-rounds 7] [--micro-seconds 0.2] [--loop-length 50]
         [--theta-source chees|prior] [--skip-micro] [--skip-end-to-end] [--out FILE]
 
-chees draws ``max(--chees-min-samples, ceil(--chees-draws / K))`` samples per chain, so every
-run keeps at least as many draws in all as NumPyro's 2 x 300 (and ESS/R-hat get at least 20
-draws per chain).  With the defaults (one seed) the script took 34 minutes on the project's
-shared 2-core machine (load average 2-3.6), 15 of them chees with K = 128 (every chain pays the
-full warm-up); each further seed adds ~35 minutes (``--seeds 1 --skip-micro`` runs one more
-seed alone).
+Before issue 41 (``equal-total`` alone, training inputs) one seed took 34 minutes on the project's
+shared 2-core machine (load average 2-3.6), 15 of them chees with K = 128; ``equal-per-chain``
+runs 300 draws per chain, so K = 128 costs about twice that again.  ``--seeds 1 --skip-micro``
+runs one more seed alone.
 """
 
 from __future__ import annotations
@@ -76,7 +87,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from nuts_vs_numpyro import CONCENTRATION, NUM_EVAL, RATE, D, H, make_data, run_numpyro, summarise  # noqa: E402
+from nuts_vs_numpyro import (  # noqa: E402
+    CONCENTRATION, NUM_EVAL, RATE, D, H, make_data, make_test_inputs, run_numpyro, summarise,
+)
 
 import pyrobdl  # noqa: E402
 from pyrobdl.flat import FlatLogJoint  # noqa: E402
@@ -106,7 +119,16 @@ def numpyro_model(x, y=None):
         numpyro.sample("obs", ndist.Normal(f, 1.0 / jnp.sqrt(tau)), obs=y)
 
 
-def chees_samples(k: int, args) -> int:
+#: the two protocols of part 2 (``--protocols``); the first is the default comparison
+PROTOCOLS = ("equal-per-chain", "equal-total")
+
+
+def chees_samples(k: int, args, protocol: str = "equal-per-chain") -> int:
+    """Draws per chain of chees with K chains: NumPyro's draws per chain (``equal-per-chain``), or
+    ``max(--chees-min-samples, ceil(--chees-draws / K))`` (``equal-total``: as many draws in all
+    as NumPyro's chains x draws, by default)."""
+    if protocol == "equal-per-chain":
+        return args.numpyro_samples
     return max(args.chees_min_samples, math.ceil(args.chees_draws / k))
 
 
@@ -200,7 +222,6 @@ def micro_benchmark(x, y, args) -> tuple[list[dict], str, dict]:
     z_all = jnp.asarray(to_numpyro_flat(lj["None"], theta_np, order))
 
     # the two implementations compute the same function: log joint = -potential, same gradient
-    kmax = theta.shape[0]
     v_t, g_t = lj["None"].value_and_grad(theta)
     v_j, g_j = vgk(z_all)
     dv = float(np.max(np.abs(v_t.numpy() + np.asarray(v_j)) / np.maximum(1.0, np.abs(v_t.numpy()))))
@@ -299,12 +320,12 @@ def per_cpu(row: dict) -> dict:
     return row
 
 
-def run_numpyro_seed(x, y, seed: int, args) -> list[dict]:
+def run_numpyro_seed(x, y, x_test, seed: int, args) -> list[dict]:
     """Both passes of ``nuts_vs_numpyro.run_numpyro``; keys 2*seed (with compilation) and 2*seed+1 (timed)."""
     ns = argparse.Namespace(warmup=args.numpyro_warmup, samples=args.numpyro_samples, chains=args.numpyro_chains,
                             max_tree_depth=args.max_tree_depth, seed=2 * seed)
     rows = []
-    for row in run_numpyro(x, y, ns):
+    for row in run_numpyro(x, y, ns, x_eval=x_test):
         row = per_cpu(row)
         row.update(seed=seed, method="numpyro", chains=args.numpyro_chains, warmup=args.numpyro_warmup,
                    samples=args.numpyro_samples, reference=row["variant"].endswith("(cached)"), load_after=load())
@@ -313,8 +334,9 @@ def run_numpyro_seed(x, y, seed: int, args) -> list[dict]:
     return rows
 
 
-def run_chees(x, y, k: int, seed: int, args) -> dict:
-    samples = chees_samples(k, args)
+def run_chees(x, y, x_test, k: int, seed: int, args, protocol: str = "equal-per-chain") -> dict:
+    """One chees fit; function-space ESS at the held-out inputs ``x_test``."""
+    samples = chees_samples(k, args, protocol)
     if args.compile:  # like NumPyro, timed with the compiled program cached (a short fit fills the cache)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -328,10 +350,10 @@ def run_chees(x, y, k: int, seed: int, args) -> dict:
                            compile=args.compile)
     cpu_outer = time.process_time() - cpu_outer
     d = post.diagnostics
-    f = post.function_draws(torch.as_tensor(x[:NUM_EVAL]))[..., 0].double().numpy()
+    f = post.function_draws(torch.as_tensor(x_test))[..., 0].double().numpy()
     cert = d["certification"]
     extra = {
-        "seed": seed, "method": "chees", "chains": k, "warmup": args.chees_warmup, "samples": samples,
+        "seed": seed, "method": "chees", "protocol": protocol, "chains": k, "warmup": args.chees_warmup, "samples": samples,
         "compile": args.compile, "compile_s": d["compile_s"],
         "cpu_s_incl_fit_diagnostics": cpu_outer,
         "step_size": d["step_size"], "trajectory_length": d["trajectory_length"],
@@ -371,7 +393,7 @@ def e2e_table(rows: list[dict]) -> str:
         if r["method"] == "chees":
             div = f"{r['divergences']} (warm-up {r['divergences_warmup']})"
             cert = "pass" if r["certified"] else "fail: " + "; ".join(r["certification_failures"])
-            name = f"chees K={r['chains']}" + (" compiled" if r.get("compile") else "")
+            name = f"chees K={r['chains']}" + (" compiled" if r.get("compile") else "") + f", {r['protocol']}"
         else:
             div = str(r["divergences"])
             cert = "—"
@@ -393,7 +415,7 @@ def sampler_table(rows: list[dict]) -> str:
     for r in rows:
         if r["method"] == "chees":
             sampling = r["chains"] * r["leapfrog_sampling"] / r["gradients"]
-            lines.append(f"| chees K={r['chains']} | {r['seed']} | {r['step_size']:.4f} | "
+            lines.append(f"| chees K={r['chains']}, {r['protocol']} | {r['seed']} | {r['step_size']:.4f} | "
                          f"{r['mean_num_steps_sampling']:.0f} (T = {r['trajectory_length']:.2f}) | "
                          f"{r['accept_prob']:.2f} | {100 * (1 - sampling):.0f}% | "
                          f"{r['ess_min'] / (sampling * r['cpu_s']):.1f} | {r['ebfmi_min']:.2f} |")
@@ -414,7 +436,8 @@ def summary_table(rows: list[dict]) -> str:
     for r in rows:
         if r["method"] == "numpyro" and not r["reference"]:
             continue
-        groups.setdefault("NumPyro NUTS" if r["method"] == "numpyro" else f"chees K={r['chains']}", []).append(r)
+        name = "NumPyro NUTS" if r["method"] == "numpyro" else f"chees K={r['chains']}, {r['protocol']}"
+        groups.setdefault(name, []).append(r)
     lines = ["| run | seeds | CPU s | CPU µs/grad | fESS min / CPU s | fESS median / CPU s "
              "| vs NumPyro: min | vs NumPyro: median |", "|---|---|---|---|---|---|---|---|"]
     for name, rs in groups.items():
@@ -435,8 +458,12 @@ def main() -> None:
     parser.add_argument("--numpyro-chains", type=int, default=2)
     parser.add_argument("--max-tree-depth", type=int, default=10)
     parser.add_argument("--chees-chains", type=int, nargs="+", default=[8, 32, 128])
-    parser.add_argument("--chees-warmup", type=int, default=300)
-    parser.add_argument("--chees-draws", type=int, default=600, help="total draws over all chains (at least)")
+    parser.add_argument("--chees-warmup", type=int, default=None, help="default: --numpyro-warmup")
+    parser.add_argument("--chees-draws", type=int, default=None, help="equal-total: total draws over all "
+                        "chains (at least); default --numpyro-chains x --numpyro-samples")
+    parser.add_argument("--protocols", nargs="+", choices=PROTOCOLS, default=list(PROTOCOLS),
+                        help="equal-per-chain: every sampler the same warm-up and draws per chain (the "
+                        "default comparison); equal-total: chees as many draws in all as NumPyro")
     parser.add_argument("--chees-min-samples", type=int, default=20, help="fewest samples per chain")
     parser.add_argument("--micro-chains", type=int, nargs="+", default=[1, 8, 32, 128])
     parser.add_argument("--micro-rounds", type=int, default=7)
@@ -451,6 +478,10 @@ def main() -> None:
     parser.add_argument("--skip-end-to-end", action="store_true")
     parser.add_argument("--out", help="write the settings and rows as JSON here")
     args = parser.parse_args()
+    if args.chees_warmup is None:
+        args.chees_warmup = args.numpyro_warmup
+    if args.chees_draws is None:
+        args.chees_draws = args.numpyro_chains * args.numpyro_samples
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message=".*torch.jit.trace.*")
 
@@ -465,6 +496,7 @@ def main() -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
     x, y = make_data(args.data_seed)
+    x_test = make_test_inputs(args.data_seed)
     settings = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "torch": torch.__version__, "jax": jax.__version__, "numpyro": numpyro.__version__,
@@ -472,7 +504,9 @@ def main() -> None:
         "torch_threads": torch.get_num_threads(),
         "xla_flags": os.environ.get("XLA_FLAGS"), "cpu_count": os.cpu_count(),
         "load_average_before": load(), **vars(args),
-        "chees_samples_per_chain": {k: chees_samples(k, args) for k in args.chees_chains},
+        "chees_samples_per_chain": {p: {k: chees_samples(k, args, p) for k in args.chees_chains}
+                                    for p in args.protocols},
+        "function_space_inputs": f"{NUM_EVAL} held-out inputs (make_test_inputs({args.data_seed}))",
     }
     print("settings: " + json.dumps(settings), flush=True)
     print(f"load average before: {settings['load_average_before']}", flush=True)
@@ -486,17 +520,18 @@ def main() -> None:
     rows: list[dict] = []
     if not args.skip_end_to_end:
         for i, seed in enumerate(args.seeds):
-            jobs = [("numpyro", None)] + [("chees", k) for k in args.chees_chains]
+            jobs = [("numpyro", None, None)] + [("chees", k, p) for p in args.protocols for k in args.chees_chains]
             if i % 2:
                 jobs.reverse()
-            for kind, k in jobs:
-                print(f"[e2e] seed {seed}: {kind}{'' if k is None else f' K={k}'}; load average {load()}", flush=True)
+            for kind, k, protocol in jobs:
+                print(f"[e2e] seed {seed}: {kind}{'' if k is None else f' K={k}, {protocol}'}; "
+                      f"load average {load()}", flush=True)
                 if kind == "numpyro":
-                    rows.extend(run_numpyro_seed(x, y, seed, args))
+                    rows.extend(run_numpyro_seed(x, y, x_test, seed, args))
                 else:
-                    rows.append(run_chees(x, y, k, seed, args))
+                    rows.append(run_chees(x, y, x_test, k, seed, args, protocol))
         rows.sort(key=lambda r: (r["seed"], r["method"] != "numpyro", r["method"] == "numpyro" and r["reference"],
-                                 r["chains"]))
+                                 r.get("protocol", ""), r["chains"]))
         add_ratios(rows)
         out["end_to_end"] = rows
 

@@ -71,6 +71,12 @@ def make_data(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     return x, ((y - y.mean()) / y.std()).astype(np.float32)
 
 
+def make_test_inputs(seed: int = 0, num: int = NUM_EVAL) -> np.ndarray:
+    """``num`` held-out inputs ``[num, D]`` from the training inputs' distribution (their own random
+    stream: none of them is a training input), where function-space ESS is measured."""
+    return np.random.default_rng([seed, 1]).standard_normal((num, D)).astype(np.float32)
+
+
 def summarise(name: str, wall: float, cpu: float, grads: int, f: np.ndarray, extra: dict) -> dict:
     """``f`` is ``[chain, draw, NUM_EVAL]``."""
     conv = convergence(f)
@@ -119,7 +125,9 @@ def run_pyrobdl(x, y, args, options: dict) -> tuple[dict, object]:
                      post.cost.gradient_evaluations, f, extra), post
 
 
-def run_numpyro(x, y, args) -> list[dict]:
+def run_numpyro(x, y, args, x_eval: np.ndarray | None = None) -> list[dict]:
+    """NumPyro NUTS twice (with, then without compilation); the function values are taken at
+    ``x_eval`` (default the first ``NUM_EVAL`` training inputs)."""
     import jax
 
     jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="nuts_bench_jax_"))
@@ -162,7 +170,7 @@ def run_numpyro(x, y, args) -> list[dict]:
         ex = mcmc.get_extra_fields(group_by_chain=True)
         steps = np.asarray(ex["num_steps"])
         s = {k: np.asarray(v, dtype=np.float64) for k, v in samples.items()}
-        xe = x[:NUM_EVAL].astype(np.float64)
+        xe = (x[:NUM_EVAL] if x_eval is None else x_eval).astype(np.float64)
         f = (np.tanh(np.einsum("nd,cadh->canh", xe, s["w0"]) + s["b0"][:, :, None]) @ s["w1"])[..., 0] + s["b1"]
         extra = {
             "leapfrog_warmup": warm_steps,
