@@ -1,0 +1,326 @@
+"""Hostile inputs answered in one pyrobdl line, nothing a user wrote overwritten, no orphans (issue 42).
+
+Each test here reproduced a case of the issue's hostile probe on the code before the fix (a user
+file overwritten or emptied, a silent wrong result, a traceback, or a message not naming the input).
+Fits are tiny (MAP, a few steps on 20 points).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from pyrobdl.cli import EXIT_CODES, main
+from pyrobdl.compare import load_suite, run_suite
+from pyrobdl.compare.lock import LOCK_FILE, OutFolderError, RunLock, check_out_folder
+
+SUITE = """
+[suite]
+name = "hostile"
+num_eval_samples = 10
+inference_data = false
+fit_diagnostics = false
+
+[model]
+hidden = [3]
+likelihood = { kind = "gaussian", precision = 50.0 }
+
+[methods.map]
+num_steps = 5
+
+[datasets.gap]
+source = "gap"
+num_train = 20
+num_test = 10
+"""
+
+
+def write_suite(folder: Path, text: str = SUITE, name: str = "s.toml") -> Path:
+    path = folder / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def compare(*argv: str) -> int:
+    return main(["compare", *argv, "--no-progress"])
+
+
+# ----------------------------------------------------------------------------- --out never overwrites a user's files
+
+def test_out_empty_string_is_refused_and_the_current_folder_untouched(tmp_path, monkeypatch, capsys):
+    """Case 1: ``--out ''`` meant the current folder and replaced the user's suite.toml and cells.json."""
+    suite = write_suite(tmp_path, name="suite.toml")
+    (tmp_path / "cells.json").write_text("my own cells\n")
+    monkeypatch.chdir(tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    for extra in ([], ["--dry-run"]):
+        assert compare(str(suite), "--out", "", *extra) == EXIT_CODES["usage"]
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("pyrobdl: error: --out is empty")
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+@pytest.mark.parametrize("out_name", [".", "mine"])
+def test_out_with_user_files_is_refused_naming_them(tmp_path, monkeypatch, capsys, out_name):
+    """Any --out that is not absent, empty, or a pyrobdl results folder is refused before work."""
+    suite = write_suite(tmp_path)
+    out = tmp_path / out_name
+    out.mkdir(exist_ok=True)
+    (out / "cells.json").write_text('{"mine": 1}')
+    (out / "notes.txt").write_text("keep me")
+    monkeypatch.chdir(tmp_path)
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    assert compare(str(suite), "--out", out_name) == EXIT_CODES["usage"]
+    err = capsys.readouterr().err
+    assert "not empty and not a pyrobdl results folder" in err and "'notes.txt'" in err and "use another --out" in err
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    assert not (out / "cells").exists()
+
+
+def test_out_of_an_earlier_run_resumes_and_damaged_manifest_is_exit_3(tmp_path, capsys):
+    suite = write_suite(tmp_path)
+    out = tmp_path / "o"
+    assert compare(str(suite), "--out", str(out)) == 0
+    assert compare(str(suite), "--out", str(out)) == 0  # its own folder: resumed
+    assert "1 already done" in capsys.readouterr().out
+    (out / "cells.json").write_text("garbage")
+    assert compare(str(suite), "--out", str(out)) == EXIT_CODES["results"]
+    err = capsys.readouterr().err
+    assert f"manifest {out / 'cells.json'} is damaged" in err and err.count("\n") == 1
+
+
+def test_a_run_stopped_before_its_manifest_still_resumes(tmp_path):
+    out = tmp_path / "o"
+    check_out_folder(out)
+    with RunLock(out, "r000000000001"):
+        pass
+    (out / "suite.toml").write_text("copied")
+    assert check_out_folder(out) == out
+
+
+@pytest.mark.parametrize("content", ["my notes\n", '{"pid": 1}', "\x00\x01binary"])
+def test_a_user_file_named_like_the_lock_is_never_emptied(tmp_path, capsys, content):
+    """Case 2: a ``.pyrobdl.lock`` the user put in --out was emptied by the lock."""
+    suite = write_suite(tmp_path)
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / LOCK_FILE).write_text(content)
+    assert compare(str(suite), "--out", str(out)) == EXIT_CODES["usage"]
+    err = capsys.readouterr().err
+    assert f"holds a file named {LOCK_FILE} that pyrobdl did not write" in err and err.count("\n") == 1
+    assert (out / LOCK_FILE).read_text() == content
+    # the lock itself refuses too, even inside a pyrobdl folder
+    with pytest.raises(OutFolderError, match="pyrobdl will not touch it"):
+        with RunLock(out, "r000000000001"):
+            pass
+    assert (out / LOCK_FILE).read_text() == content
+
+
+def test_a_symlinked_lock_file_is_not_followed(tmp_path):
+    target = tmp_path / "precious.txt"
+    target.write_text("precious")
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / LOCK_FILE).symlink_to(target)
+    with pytest.raises(OutFolderError, match="did not write"):
+        check_out_folder(out)
+    with pytest.raises(OutFolderError):
+        with RunLock(out, "r000000000001"):
+            pass
+    assert target.read_text() == "precious"
+
+
+def test_released_lock_stays_recognisably_pyrobdls(tmp_path):
+    with RunLock(tmp_path, "r000000000001"):
+        assert json.loads((tmp_path / LOCK_FILE).read_text())["pyrobdl"] == "run lock"
+    assert json.loads((tmp_path / LOCK_FILE).read_text()) == {"pyrobdl": "run lock", "held": False}
+    with RunLock(tmp_path, "r000000000002"):  # and is taken again
+        pass
+
+
+def test_a_300_character_out_name_is_one_line_exit_2(tmp_path, capsys):
+    """Case 7: a 300-character --out name gave a traceback (ENAMETOOLONG)."""
+    suite = write_suite(tmp_path)
+    for extra in ([], ["--dry-run"]):
+        assert compare(str(suite), "--out", str(tmp_path / ("x" * 300)), *extra) == EXIT_CODES["usage"]
+        err = capsys.readouterr().err
+        assert "is 300 bytes long" in err and "Traceback" not in err and err.count("\n") == 1
+
+
+# ----------------------------------------------------------------------------- data files
+
+def _load(path: Path, target, task: str = "regression"):
+    from pyrobdl.compare.sources import load_dataset
+
+    opts = {"path": str(path), "target": target, "delimiter": ",", "task": task, "test_fraction": 0.25,
+            "standardize": True}
+    return load_dataset("file", opts, 0, None, path.parent)
+
+
+def _csv(tmp_path: Path, header: str, name: str = "d.csv", prefix: bytes = b"") -> Path:
+    rows = "\n".join(f"{i},{2 * i + 1},{3 * i - 2}" for i in range(1, 13))
+    path = tmp_path / name
+    path.write_bytes(prefix + f"{header}\n{rows}\n".encode())
+    return path
+
+
+def test_duplicate_column_names_are_refused_with_their_names(tmp_path):
+    """Case 3: with header ``y,x2,y`` the first y silently became the target, the real one a feature."""
+    with pytest.raises(ValueError, match=r"duplicate column name\(s\) in the header line: \['y'\]"):
+        _load(_csv(tmp_path, "y,x2,y"), "y")
+    with pytest.raises(ValueError, match=r"\['a', 'y'\]"):  # by index too: a duplicate name is refused
+        _load(_write(tmp_path, "a,y,a,y\n1,2,3,4\n5,6,7,8\n9,1,2,3\n4,5,6,7\n"), 1)
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "w.csv"
+    path.write_text(text)
+    return path
+
+
+def test_a_utf8_byte_order_mark_does_not_hide_the_first_column(tmp_path):
+    plain = _load(_csv(tmp_path, "y,a,b"), "y")
+    marked = _load(_csv(tmp_path, "y,a,b", "bom.csv", prefix=b"\xef\xbb\xbf"), "y")
+    assert (marked.y_train == plain.y_train).all() and (marked.x_train == plain.x_train).all()
+
+
+@pytest.mark.parametrize("blob", [b"garbage, not a zip", b"PK\x03\x04broken zip", b"\x93NUMPY broken npy", b""])
+def test_a_garbage_npz_is_one_line_naming_the_file(tmp_path, capsys, blob):
+    """Case 7: a garbage .npz data file gave a traceback with exit 1."""
+    data = tmp_path / "d.npz"
+    data.write_bytes(blob)
+    with pytest.raises(ValueError, match=f"{data}: not a readable NPZ file"):
+        _load(data, "y")
+    suite = write_suite(tmp_path, SUITE.replace('source = "gap"\nnum_train = 20\nnum_test = 10',
+                                                f'source = "file"\npath = "{data}"\ntarget = "y"'))
+    assert compare(str(suite), "--out", str(tmp_path / "o")) == EXIT_CODES["usage"]
+    err = capsys.readouterr().err
+    assert "not a readable NPZ file" in err and "Traceback" not in err
+
+
+def test_an_object_array_in_a_data_npz_is_refused_not_unpickled(tmp_path):
+    import numpy as np
+
+    path = tmp_path / "o.npz"
+    np.savez(path, x=np.array([[1.0], [2.0]], dtype=object), y=np.array([1.0, 2.0]))
+    with pytest.raises(ValueError, match=f"{path}: not a readable NPZ file.*pickle"):
+        _load(path, "y")
+
+
+@pytest.mark.parametrize("target", [True, 1.0, None])
+def test_a_target_that_is_not_a_name_or_index_is_refused(tmp_path, target):
+    with pytest.raises(TypeError, match="target must be a column name or an integer index"):
+        _load(_csv(tmp_path, "y,a,b"), target)
+
+
+# ----------------------------------------------------------------------------- a broken worker pool
+
+REF_SUITE = (SUITE.replace("[suite]", '[suite]\nreference = "map"').replace("num_test = 10", "num_test = 10\nsplits = [0, 1]")
+             + "\n[methods.mean_field]\nnum_steps = 5\n")
+
+from pyrobdl.compare import runner as _runner  # noqa: E402
+
+_REAL_COMPUTE = _runner.compute_cell
+
+
+def _reference_worker_dies(task):
+    if task.cell.is_reference:
+        os._exit(1)  # as if killed
+    return _REAL_COMPUTE(task)
+
+
+def test_a_pool_broken_in_the_reference_stage_is_never_reused(tmp_path, monkeypatch):
+    """Case 4: a worker killed in the first stage broke the pool, and the second stage submitted to
+    it: BrokenProcessPool traceback, exit 1.  Now every remaining cell of every stage is recorded
+    failed (stage ``worker``) and the rerun completes them."""
+    import concurrent.futures as cf
+    import multiprocessing
+
+    from pyrobdl.compare import FuturesExecutor, read_result
+
+    path = write_suite(tmp_path, REF_SUITE)
+    out = tmp_path / "out"
+    monkeypatch.setattr(_runner, "compute_cell", _reference_worker_dies)
+    with cf.ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("fork")) as pool:
+        summary = run_suite(load_suite(path), out, progress=False, executor=FuturesExecutor(pool))
+    assert not summary.ok and len(summary.failed) == 4  # both references, both cells of the second stage
+    messages = [read_result(out / "cells" / c / "result.json")["error"] for c in summary.failed]
+    assert all(m["stage"] == "worker" for m in messages)
+    assert sum("worker pool broke earlier in this run" in m["message"] for m in messages) == 2
+    monkeypatch.setattr(_runner, "compute_cell", _REAL_COMPUTE)
+    again = run_suite(load_suite(path), out, progress=False)
+    assert set(again.ok) == set(summary.failed) and again.success
+
+
+# ----------------------------------------------------------------------------- no orphans
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(entry.name))
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")  # a zombie has ended (our container's init may not reap it)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc (Linux)")
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM", "SIGINT"])
+def test_workers_end_within_seconds_when_the_driver_dies(tmp_path, sig):
+    """Case 5: after the driver was killed its --workers processes (~410 MB each) ran on for minutes.
+    A real driver runs two long fits in two worker processes and is killed; every worker is gone
+    within 10 s."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    suite = write_suite(tmp_path, SUITE.replace("num_steps = 5", "num_steps = 100000000")
+                        .replace("num_test = 10", "num_test = 10\nsplits = [0, 1]"))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    driver = subprocess.Popen([sys.executable, "-m", "pyrobdl.cli", "compare", str(suite), "--out",
+                               str(tmp_path / "o"), "--no-progress", "--workers", "2", "--threads", "1"],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        workers: list[int] = []
+        while time.time() < deadline and driver.poll() is None:
+            workers = [k for k in _children(driver.pid) if "spawn_main" in Path(f"/proc/{k}/cmdline").read_text()]
+            if len(workers) == 2:
+                break
+            time.sleep(0.2)
+        assert len(workers) == 2, driver.stderr.read() if driver.poll() is not None else "no workers"
+        time.sleep(6.0)  # the workers import torch and start their fits
+        assert all(_alive(w) for w in workers) and driver.poll() is None
+        t0 = time.time()
+        os.kill(driver.pid, getattr(signal, sig))
+        while time.time() - t0 < 10 and any(_alive(w) for w in workers):
+            time.sleep(0.1)
+        assert not [w for w in workers if _alive(w)], f"workers alive {time.time() - t0:.1f} s after {sig}"
+        code = driver.wait(30)
+        if sig != "SIGKILL":
+            assert code == EXIT_CODES["interrupted"], (code, driver.stderr.read()[-2000:])
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+        for w in workers:
+            if _alive(w):
+                os.kill(w, signal.SIGKILL)
+        driver.stderr.close()
