@@ -271,6 +271,13 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -291,6 +298,8 @@ def test_workers_end_within_seconds_when_the_driver_dies(tmp_path, sig):
     import sys
     import time
 
+    from pyrobdl.compare.workers import WORKER_NAME
+
     suite = write_suite(tmp_path, SUITE.replace("num_steps = 5", "num_steps = 100000000")
                         .replace("num_test = 10", "num_test = 10\nsplits = [0, 1]"))
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
@@ -298,15 +307,15 @@ def test_workers_end_within_seconds_when_the_driver_dies(tmp_path, sig):
                                str(tmp_path / "o"), "--no-progress", "--workers", "2", "--threads", "1"],
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.time() + 120
+        deadline = time.time() + 400  # starting a worker (importing torch) took 48 s at load average 11
         workers: list[int] = []
         while time.time() < deadline and driver.poll() is None:
-            workers = [k for k in _children(driver.pid) if "spawn_main" in Path(f"/proc/{k}/cmdline").read_text()]
+            workers = [k for k in _children(driver.pid) if _comm(k) == WORKER_NAME]  # armed, taking cells
             if len(workers) == 2:
                 break
             time.sleep(0.2)
         assert len(workers) == 2, driver.stderr.read() if driver.poll() is not None else "no workers"
-        time.sleep(6.0)  # the workers import torch and start their fits
+        time.sleep(1.0)  # their fits have started
         assert all(_alive(w) for w in workers) and driver.poll() is None
         t0 = time.time()
         os.kill(driver.pid, getattr(signal, sig))
@@ -324,3 +333,155 @@ def test_workers_end_within_seconds_when_the_driver_dies(tmp_path, sig):
             if _alive(w):
                 os.kill(w, signal.SIGKILL)
         driver.stderr.close()
+
+
+# ----------------------------------------------------------------------------- API option values
+
+def _tiny_data():
+    from pyrobdl.datasets import gap_regression
+
+    return gap_regression(20, 10, seed=0)
+
+
+@pytest.mark.parametrize("kwargs,error,message", [
+    ({"lr": True}, TypeError, "option lr must be a number .*got True .*a boolean is not a number"),  # case 6
+    ({"lr": "0.1"}, TypeError, "option lr must be a number"),
+    ({"lr": float("inf")}, ValueError, "option lr must be finite"),
+    ({"kl_warmup": False}, TypeError, "option kl_warmup must be a number"),
+])
+def test_fit_refuses_booleans_and_non_finite_values_for_numbers(kwargs, error, message):
+    import pyrobdl
+
+    d = _tiny_data()
+    with pytest.raises(error, match=message):
+        pyrobdl.fit(pyrobdl.BayesianMLP(1, [3]), d.x_train, d.y_train, method="map", num_steps=3, progress=False,
+                    **kwargs)
+
+
+@pytest.mark.parametrize("method,kwargs,hidden,name", [
+    ("map", {"num_steps": 10**13}, [3], "num_steps"),
+    ("mean_field", {"num_steps": 3, "num_particles": 10**12}, [3], "num_particles"),
+    ("nuts", {"num_samples": 10**12}, [3], "num_samples"),
+    ("map", {"num_steps": 3}, [10**9], "hidden"),
+    ("map", {"num_steps": 3}, [10**6, 10**6], "hidden"),
+])
+def test_absurd_sizes_are_refused_naming_the_option_before_allocating(method, kwargs, hidden, name):
+    """Case 8: they failed with torch's allocator message (``DefaultCPUAllocator: can't allocate``)."""
+    import pyrobdl
+
+    d = _tiny_data()
+    with pytest.raises(ValueError, match=rf"^{name}=.* needs at least .* GiB of memory, more than .* lower {name}$"):
+        pyrobdl.fit(pyrobdl.BayesianMLP(1, hidden), d.x_train, d.y_train, method=method, progress=False, **kwargs)
+
+
+def test_check_memory_is_exact_at_the_boundary():
+    from pyrobdl._validation import check_memory
+
+    check_memory("num_steps", 10, 1000.0, available=1000)
+    with pytest.raises(ValueError, match="lower num_steps"):
+        check_memory("num_steps", 10, 1001.0, available=1000)
+
+
+@pytest.mark.parametrize("change,name", [
+    ('num_train = 20', "num_train"), ('num_test = 10', "num_test"),
+])
+def test_huge_synthetic_datasets_are_one_line_exit_2(tmp_path, capsys, change, name):
+    """Case 7: huge num_train for a synthetic dataset gave a traceback with exit 1."""
+    text = SUITE.replace(change, change.split("=")[0] + "= 1000000000000")
+    assert compare(str(write_suite(tmp_path, text)), "--out", str(tmp_path / "o")) == EXIT_CODES["usage"]
+    err = capsys.readouterr().err
+    assert f"{name}=1000000000000 needs at least" in err and "Traceback" not in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_huge_in_features_is_refused():
+    from pyrobdl.datasets import bayesian_linear_regression
+
+    with pytest.raises(ValueError, match="^in_features=100000000000 needs at least"):
+        bayesian_linear_regression(num_train=10, num_test=5, in_features=10**11)
+
+
+@pytest.mark.parametrize("change,name", [
+    ("hidden = [3]", "hidden"), ("num_steps = 5", "num_steps"), ("num_eval_samples = 10", "suite.num_eval_samples"),
+])
+def test_absurd_suite_sizes_are_refused_before_any_work(tmp_path, capsys, change, name):
+    value = "[1000000, 1000000]" if name == "hidden" else "10000000000000"
+    text = SUITE.replace(change, change.split("=")[0] + "= " + value)
+    assert compare(str(write_suite(tmp_path, text)), "--out", str(tmp_path / "o")) == EXIT_CODES["usage"]
+    err = capsys.readouterr().err
+    assert f"{name}=" in err and "needs at least" in err and f"lower {name}" in err and "Traceback" not in err
+    assert not (tmp_path / "o").exists()
+
+
+# ----------------------------------------------------------------------------- load_posterior
+
+@pytest.fixture
+def saved(tmp_path):
+    import pyrobdl
+
+    d = _tiny_data()
+    posterior = pyrobdl.fit(pyrobdl.BayesianMLP(1, [3]), d.x_train, d.y_train, method="mean_field", num_steps=3,
+                            progress=False)
+    return posterior.save(tmp_path / "p")
+
+
+def _edit_meta(path: Path, fn) -> None:
+    meta = json.loads((path / "posterior.json").read_text())
+    fn(meta)
+    (path / "posterior.json").write_text(json.dumps(meta))
+
+
+def test_load_posterior_refuses_nan_parameters_naming_the_file(saved):
+    """Case 6: NaN parameters loaded without a word."""
+    import torch
+
+    import pyrobdl
+
+    flat = torch.load(saved / "tensors.pt", weights_only=True)
+    key = next(k for k in flat if k.startswith("state/") and flat[k].is_floating_point())
+    flat[key] = flat[key].clone().fill_(float("nan"))
+    torch.save(flat, saved / "tensors.pt")
+    with pytest.raises(ValueError, match=f"{saved / 'tensors.pt'}: tensor .* holds .* NaN or infinite"):
+        pyrobdl.load_posterior(saved)
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda p: (p / "posterior.json").write_bytes(b"{not json"), "not a readable posterior description"),
+    (lambda p: (p / "posterior.json").write_bytes(b"\xff\xfe\x00garbage"), "not a readable posterior description"),
+    (lambda p: (p / "posterior.json").write_text("[1, 2]"), "expected a JSON object"),
+    (lambda p: _edit_meta(p, lambda m: m.pop("model")), "field 'model' must be a JSON dict, got nothing"),
+    (lambda p: _edit_meta(p, lambda m: m.update(settings=[1])), "field 'settings' must be a JSON dict"),
+    (lambda p: _edit_meta(p, lambda m: m.update(method=3)), "field 'method' must be a JSON str"),
+    (lambda p: _edit_meta(p, lambda m: m.update({"class": {"module": "pyrobdl.nope", "name": "X"}})),
+     "is not a Posterior class"),
+    (lambda p: _edit_meta(p, lambda m: m.update({"class": {"module": 1, "name": "X"}})), "must hold strings"),
+    (lambda p: _edit_meta(p, lambda m: m["model"].update(hidden="many")), "not a loadable saved posterior"),
+    (lambda p: _edit_meta(p, lambda m: m.update(cost={"bogus": 1})), "not a loadable saved posterior"),
+    (lambda p: _edit_meta(p, lambda m: m.update(certification=[1])), "'certification' must be a JSON object"),
+    (lambda p: (p / "tensors.pt").write_bytes(b"garbage"), "tensors.pt: not a readable tensor file"),
+    (lambda p: __import__("torch").save([1, 2], p / "tensors.pt"), r"expected a flat \{name: tensor\} dict"),
+    (lambda p: __import__("torch").save({"state/x": __import__("torch").ones(2)}, p / "tensors.pt"),
+     "no 'history' tensor"),
+])
+def test_load_posterior_names_the_file_for_every_damaged_field(saved, damage, message):
+    """Case 8: ten load_posterior cases gave a raw KeyError, JSONDecodeError or a torch error."""
+    import pyrobdl
+
+    damage(saved)
+    with pytest.raises(ValueError, match=message) as info:
+        pyrobdl.load_posterior(saved)
+    assert str(saved) in str(info.value)
+
+
+def test_load_posterior_refuses_a_pickled_object_in_the_tensor_file(saved):
+    import pickle
+
+    import pyrobdl
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned > /dev/null",))
+
+    (saved / "tensors.pt").write_bytes(pickle.dumps({"history": Evil()}))
+    with pytest.raises(ValueError, match="tensors.pt: not a readable tensor file"):
+        pyrobdl.load_posterior(saved)

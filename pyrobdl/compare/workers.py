@@ -11,6 +11,10 @@ alive for minutes after the driver was killed):
   driver that started it, and ends the process when it is not (the parent died and the worker
   was re-parented).
 
+Both are armed by the pool's initializer, once the worker has imported pyrobdl (and torch): a
+worker still starting when its driver dies ends as soon as it has started, before taking a cell.
+On Linux an armed worker shows as ``pyrobdl-worker`` in ``ps -o comm`` and ``top``.
+
 When the driver stops on an exception or an interrupt it does not wait for the running cells:
 :func:`stop_pool` cancels what has not started and terminates the worker processes.
 """
@@ -23,20 +27,26 @@ import sys
 import threading
 from typing import Any
 
-__all__ = ["die_with_parent", "stop_pool"]
+__all__ = ["WORKER_NAME", "die_with_parent", "stop_pool"]
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_PR_SET_NAME = 15
+#: The name a worker process shows (``ps -o comm``, ``top``) once it is armed to die with its driver.
+WORKER_NAME = "pyrobdl-worker"
 
 
 def _parent_death_signal() -> bool:
-    """Ask the Linux kernel to SIGKILL this process when its parent dies; False where not available."""
+    """Ask the Linux kernel to SIGKILL this process when its parent dies, and name the process
+    :data:`WORKER_NAME`; False where not available."""
     if not sys.platform.startswith("linux"):
         return False
     try:
         import ctypes
 
         libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
+        armed = libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
+        libc.prctl(_PR_SET_NAME, ctypes.c_char_p(WORKER_NAME.encode()), 0, 0, 0)
+        return armed
     except (OSError, AttributeError):  # pragma: no cover - no libc / no prctl
         return False
 
