@@ -485,3 +485,51 @@ def test_load_posterior_refuses_a_pickled_object_in_the_tensor_file(saved):
     (saved / "tensors.pt").write_bytes(pickle.dumps({"history": Evil()}))
     with pytest.raises(ValueError, match="tensors.pt: not a readable tensor file"):
         pyrobdl.load_posterior(saved)
+
+
+# ----------------------------------------------------------------------------- suite files, tampered results
+
+@pytest.mark.parametrize("text", ["a = " + "[" * 100_000 + "]" * 100_000 + "\n",
+                                  '[suite]\nname = "x"\ndescription = ' + "[" * 900 + "]" * 900 + "\n"])
+def test_a_deeply_nested_suite_file_is_one_line_exit_2(tmp_path, capsys, text):
+    """Case 7: a suite file with 100,000 nested arrays gave a RecursionError traceback."""
+    path = tmp_path / "deep.toml"
+    path.write_text(text)
+    assert compare(str(path), "--out", str(tmp_path / "o")) == EXIT_CODES["usage"]
+    err = capsys.readouterr().err
+    assert f"{path}: nested too deeply" in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_a_suite_file_that_is_not_utf8_is_named(tmp_path, capsys):
+    """Case 8: the message did not name the file."""
+    path = tmp_path / "latin1.toml"
+    path.write_bytes(textwrap.dedent(SUITE).replace('"hostile"', '"caf\xe9"').encode("latin-1"))
+    assert compare(str(path), "--out", str(tmp_path / "o")) == EXIT_CODES["usage"]
+    err = capsys.readouterr().err
+    assert f"{path}: not UTF-8 text" in err and "save the suite file as UTF-8" in err
+
+
+def test_a_forged_object_array_in_arrays_npz_is_exit_3(tmp_path, capsys):
+    """Case 7: an object array in arrays.npz, with its checksum forged to match, gave a traceback
+    in ``pyrobdl report``.  It is now a corrupt cell (exit 3) naming the file, and compare reruns it
+    as a damaged cell."""
+    import numpy as np
+
+    from pyrobdl.compare.store import file_sha256
+
+    suite = write_suite(tmp_path, SUITE.replace("inference_data = false", "inference_data = false\nseeds = [0]"))
+    out = tmp_path / "o"
+    assert compare(str(suite), "--out", str(out)) == 0
+    cell = next((out / "cells").iterdir())
+    arrays = cell / "arrays.npz"
+    np.savez(arrays, history=np.array([1.0, {"evil": 1}], dtype=object))
+    record = json.loads((cell / "result.json").read_text())
+    record["checksums"]["arrays.npz"] = file_sha256(arrays)
+    (cell / "result.json").write_text(json.dumps(record))
+    capsys.readouterr()
+    assert main(["report", str(out)]) == EXIT_CODES["results"]
+    err = capsys.readouterr().err
+    assert f"{arrays}" in err and "not a numeric NPZ file" in err and "Traceback" not in err
+    assert compare(str(suite), "--out", str(out)) == 0
+    assert "not a numeric NPZ file" in capsys.readouterr().out  # damaged: it runs again
+    assert main(["report", str(out)]) == 0

@@ -665,4 +665,9 @@ def load_suite(path: str | Path) -> Suite:
             raw = tomllib.load(fh)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}); save the suite file as UTF-8") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: nested too deeply to be a suite file (arrays or tables inside each other "
+                          "beyond Python's recursion limit)") from None
     return parse_suite(raw, path)
