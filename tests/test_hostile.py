@@ -533,3 +533,14 @@ def test_a_forged_object_array_in_arrays_npz_is_exit_3(tmp_path, capsys):
     assert compare(str(suite), "--out", str(out)) == 0
     assert "not a numeric NPZ file" in capsys.readouterr().out  # damaged: it runs again
     assert main(["report", str(out)]) == 0
+
+
+def test_the_suite_check_accepts_what_the_method_accepts_chees_compile_false(tmp_path, capsys):
+    """Case 8: the suite check refused ``compile = false`` for chees although chees takes it."""
+    text = SUITE.replace("[methods.map]\nnum_steps = 5", "[methods.chees]\nnum_warmup = 3\nnum_samples = 3\n"
+                                                         "num_chains = 2\ncompile = false\nmap_num_steps = 2")
+    assert compare(str(write_suite(tmp_path, text)), "--out", str(tmp_path / "o"), "--dry-run") == 0
+    capsys.readouterr()
+    bad = text.replace("compile = false", "compile = [1]")
+    assert compare(str(write_suite(tmp_path, bad, "b.toml")), "--out", str(tmp_path / "o"), "--dry-run") == 2
+    assert "methods.chees.compile" in capsys.readouterr().err

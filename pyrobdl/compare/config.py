@@ -334,8 +334,9 @@ def _check_value_type(default: Any, value: Any) -> str | None:
         if _is_number(value) or (isinstance(value, list) and value and all(_is_number(v) for v in value)):
             return None
         return f"must be a number (or a list of numbers), got {value!r}"
-    if isinstance(default, str):
-        return None if isinstance(value, str) else f"must be a string, got {value!r}"
+    if isinstance(default, str):  # a choice, or 'auto' standing for a flag or a number (chees compile, chunk_size)
+        ok = isinstance(value, (str, bool)) or _is_number(value)
+        return None if ok else f"must be a string (or a flag or number the method takes), got {value!r}"
     return None
 
 
