@@ -273,8 +273,8 @@ def _read_meta(file: Path) -> dict[str, Any]:
     if not isinstance(meta, dict):
         raise ValueError(f"{file}: expected a JSON object, got {type(meta).__name__}")
     if meta.get("format") != "pyrobdl-posterior" or meta.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{file}: format {str(meta.get('format'))[:40]!r} version "
-                         f"{str(meta.get('format_version'))[:20]!r}; this pyrobdl reads pyrobdl-posterior version "
+        raise ValueError(f"{file}: format {repr(meta.get('format'))[:40]} version "
+                         f"{repr(meta.get('format_version'))[:20]}; this pyrobdl reads pyrobdl-posterior version "
                          f"{FORMAT_VERSION}")
     for key, kind in _FIELDS.items():
         if not isinstance(meta.get(key), kind) or isinstance(meta.get(key), bool):

@@ -322,7 +322,7 @@ def test_workers_end_within_seconds_when_the_driver_dies(tmp_path, sig):
         while time.time() - t0 < 10 and any(_alive(w) for w in workers):
             time.sleep(0.1)
         assert not [w for w in workers if _alive(w)], f"workers alive {time.time() - t0:.1f} s after {sig}"
-        code = driver.wait(30)
+        code = driver.wait(300)  # the driver itself may be slow to exit on a loaded machine (niced, load 13)
         if sig != "SIGKILL":
             assert code == EXIT_CODES["interrupted"], (code, driver.stderr.read()[-2000:])
     finally:
