@@ -179,12 +179,20 @@ def check_option_values(method: str, defaults: Any, options: Any) -> None:
         default = defaults.get(key)
         if isinstance(default, bool) or not isinstance(default, (int, float)):
             continue  # a flag, a choice, or None (optional): the method checks it
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"method {method!r}: option {key} must be a number (default {default!r}), got "
-                            f"{value!r} ({type(value).__name__})" + ("; a boolean is not a number"
-                                                                     if isinstance(value, bool) else ""))
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ValueError(f"method {method!r}: option {key} must be finite, got {value!r}")
+        if isinstance(value, (list, tuple)) and value:  # per-layer values (dropout's p): each a number
+            for v in value:
+                _check_number(method, key, default, v)
+            continue
+        _check_number(method, key, default, value)
+
+
+def _check_number(method: str, key: str, default: Any, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"method {method!r}: option {key} must be a number (default {default!r}), got "
+                        f"{value!r} ({type(value).__name__})" + ("; a boolean is not a number"
+                                                                 if isinstance(value, bool) else ""))
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"method {method!r}: option {key} must be finite, got {value!r}")
 
 
 #: Options that multiply the memory of a fit: name -> what one unit holds ("params": one copy of

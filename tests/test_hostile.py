@@ -544,3 +544,13 @@ def test_the_suite_check_accepts_what_the_method_accepts_chees_compile_false(tmp
     bad = text.replace("compile = false", "compile = [1]")
     assert compare(str(write_suite(tmp_path, bad, "b.toml")), "--out", str(tmp_path / "o"), "--dry-run") == 2
     assert "methods.chees.compile" in capsys.readouterr().err
+
+
+def test_per_layer_numbers_are_checked_one_by_one():
+    import pyrobdl
+
+    d = _tiny_data()
+    model = pyrobdl.BayesianMLP(1, [3, 3])
+    pyrobdl.fit(model, d.x_train, d.y_train, method="dropout", num_steps=2, p=[0.1, 0.2, 0.1], progress=False)
+    with pytest.raises(TypeError, match="option p must be a number .* a boolean is not a number"):
+        pyrobdl.fit(model, d.x_train, d.y_train, method="dropout", num_steps=2, p=[0.1, True, 0.1], progress=False)
