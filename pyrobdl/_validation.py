@@ -166,7 +166,9 @@ def check_memory(name: str, value: Any, nbytes: float, *, available: int | None 
 
 def check_option_values(method: str, defaults: Any, options: Any) -> None:
     """Type checks every method shares, before a method sees its options: an option whose default
-    is a number takes a number (a boolean is not one: ``lr=True`` is not 1.0), and a finite one.
+    is a real number takes a real number (a boolean is not one: ``lr=True`` is not 1.0), and a
+    finite one (or a list of such, e.g. dropout's per-layer ``p``).  Counts (integer defaults) are
+    checked by each method.
 
     Raises
     ------
@@ -177,8 +179,8 @@ def check_option_values(method: str, defaults: Any, options: Any) -> None:
     """
     for key, value in options.items():
         default = defaults.get(key)
-        if isinstance(default, bool) or not isinstance(default, (int, float)):
-            continue  # a flag, a choice, or None (optional): the method checks it
+        if not isinstance(default, float):
+            continue  # a count (each method checks its own: "must be an integer >= 1"), a flag, a choice, None
         if isinstance(value, (list, tuple)) and value:  # per-layer values (dropout's p): each a number
             for v in value:
                 _check_number(method, key, default, v)

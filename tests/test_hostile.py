@@ -347,7 +347,8 @@ def _tiny_data():
     ({"lr": True}, TypeError, "option lr must be a number .*got True .*a boolean is not a number"),  # case 6
     ({"lr": "0.1"}, TypeError, "option lr must be a number"),
     ({"lr": float("inf")}, ValueError, "option lr must be finite"),
-    ({"kl_warmup": False}, TypeError, "option kl_warmup must be a number"),
+    ({"average_last": False}, TypeError, "option average_last must be a number"),
+    ({"kl_warmup": False}, ValueError, "kl_warmup must be an integer >= 0, got False"),  # a count: the method's check
 ])
 def test_fit_refuses_booleans_and_non_finite_values_for_numbers(kwargs, error, message):
     import pyrobdl
