@@ -193,8 +193,12 @@ def _check_number(method: str, key: str, default: Any, value: Any) -> None:
         raise TypeError(f"method {method!r}: option {key} must be a number (default {default!r}), got "
                         f"{value!r} ({type(value).__name__})" + ("; a boolean is not a number"
                                                                  if isinstance(value, bool) else ""))
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(f"method {method!r}: option {key} must be finite, got {value!r}")
+    if isinstance(value, float) and not math.isfinite(value) and key not in _RANGE_CHECKED:
+        raise ValueError(f"method {method!r}: option {key} must be a finite number, got {value!r}")
+
+
+#: Real-valued options whose method checks the range itself, with its own message (NaN included).
+_RANGE_CHECKED = frozenset({"checkpoint_every_s"})
 
 
 #: Options that multiply the memory of a fit: name -> what one unit holds ("params": one copy of

@@ -346,7 +346,7 @@ def _tiny_data():
 @pytest.mark.parametrize("kwargs,error,message", [
     ({"lr": True}, TypeError, "option lr must be a number .*got True .*a boolean is not a number"),  # case 6
     ({"lr": "0.1"}, TypeError, "option lr must be a number"),
-    ({"lr": float("inf")}, ValueError, "option lr must be finite"),
+    ({"lr": float("inf")}, ValueError, "option lr must be a finite number, got inf"),
     ({"average_last": False}, TypeError, "option average_last must be a number"),
     ({"kl_warmup": False}, ValueError, "kl_warmup must be an integer >= 0, got False"),  # a count: the method's check
 ])
