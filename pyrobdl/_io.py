@@ -176,7 +176,7 @@ def lock_exclusive(path: str | Path) -> int:
     OSError
         When the file cannot be created or locked; ``filename`` is None for a failed lock.
     """
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
     try:
         import fcntl
     except ImportError:  # pragma: no cover - Windows: no flock

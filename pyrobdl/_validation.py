@@ -8,7 +8,8 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["as_tensor", "check_data", "check_inputs", "positive_number", "resolve_device"]
+__all__ = ["as_tensor", "available_memory", "check_data", "check_fit_sizes", "check_inputs", "check_memory",
+           "check_option_values", "positive_number", "resolve_device"]
 
 
 def positive_number(name: str, value: Any) -> float:
@@ -116,3 +117,121 @@ def resolve_device(device: Any, default: torch.device) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} requested but CUDA is not available")
     return dev
+
+
+def available_memory() -> int | None:
+    """Bytes of memory this machine can still give (``MemAvailable`` on Linux, else the physical
+    memory); None when unknown."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import os
+
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):  # pragma: no cover - not POSIX
+        return None
+
+
+def check_memory(name: str, value: Any, nbytes: float, *, available: int | None = None) -> None:
+    """Refuse an option whose value needs more memory than the machine has, before allocating.
+
+    Parameters
+    ----------
+    name : str
+        The option's name (``num_steps``, ``hidden``, ...), named in the message.
+    value : Any
+        Its value (shown, shortened).
+    nbytes : float
+        A lower bound of the bytes the value needs.
+    available : int, optional
+        Bytes available; default :func:`available_memory`.
+
+    Raises
+    ------
+    ValueError
+        ``nbytes`` exceeds what is available.
+    """
+    available = available_memory() if available is None else available
+    if available is not None and nbytes > available:
+        shown = repr(value)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        raise ValueError(f"{name}={shown} needs at least {nbytes / 2**30:.3g} GiB of memory, more than the "
+                         f"{available / 2**30:.3g} GiB this machine has available: lower {name}")
+
+
+def check_option_values(method: str, defaults: Any, options: Any) -> None:
+    """Type checks every method shares, before a method sees its options: an option whose default
+    is a real number takes a real number (a boolean is not one: ``lr=True`` is not 1.0), and a
+    finite one (or a list of such, e.g. dropout's per-layer ``p``).  Counts (integer defaults) are
+    checked by each method.
+
+    Raises
+    ------
+    TypeError
+        A boolean, or a non-number, given for a numeric option.
+    ValueError
+        A NaN or infinite value for a numeric option.
+    """
+    for key, value in options.items():
+        default = defaults.get(key)
+        if not isinstance(default, float):
+            continue  # a count (each method checks its own: "must be an integer >= 1"), a flag, a choice, None
+        if isinstance(value, (list, tuple)) and value:  # per-layer values (dropout's p): each a number
+            for v in value:
+                _check_number(method, key, default, v)
+            continue
+        _check_number(method, key, default, value)
+
+
+def _check_number(method: str, key: str, default: Any, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"method {method!r}: option {key} must be a number (default {default!r}), got "
+                        f"{value!r} ({type(value).__name__})" + ("; a boolean is not a number"
+                                                                 if isinstance(value, bool) else ""))
+    if isinstance(value, float) and not math.isfinite(value) and key not in _RANGE_CHECKED:
+        raise ValueError(f"method {method!r}: option {key} must be a finite number, got {value!r}")
+
+
+#: Real-valued options whose method checks the range itself, with its own message (NaN included).
+_RANGE_CHECKED = frozenset({"checkpoint_every_s"})
+
+
+#: Options that multiply the memory of a fit: name -> what one unit holds ("params": one copy of
+#: the network's parameters; "step": one float per step, the loss history).
+_SIZE_OPTIONS = {"num_steps": "step", "map_num_steps": "step", "num_particles": "params", "num_samples": "params",
+                 "num_members": "params", "max_num_samples": "params"}
+
+
+def check_fit_sizes(model: Any, options: Any) -> None:
+    """Refuse sizes no fit on this machine can hold (each a lower bound), naming the option.
+
+    The network itself (``hidden``: parameters, their scales, gradients and optimiser state, four
+    float copies at least), the loss history (``num_steps``), and per-draw or per-particle
+    copies of the parameters (``num_samples`` x ``num_chains``, ``num_particles``, ...).
+
+    Raises
+    ------
+    ValueError
+        Naming the option (or ``hidden`` / ``in_features``) and the memory it needs.
+    """
+    widths = [model.in_features, *model.hidden, model.out_features] if hasattr(model, "hidden") else None
+    if widths is None:
+        return
+    params = sum((a + 1) * b for a, b in zip(widths[:-1], widths[1:]))
+    available = available_memory()
+    what = "hidden" if any(model.hidden) else "in_features"
+    check_memory(what, list(model.hidden) if what == "hidden" else model.in_features, 4.0 * 4 * params,
+                 available=available)
+    chains = options.get("num_chains", 1)
+    chains = chains if isinstance(chains, int) and not isinstance(chains, bool) and chains >= 1 else 1
+    for key, unit in _SIZE_OPTIONS.items():
+        value = options.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            continue
+        per = 4.0 if unit == "step" else 4.0 * params * (chains if key in ("num_samples", "max_num_samples") else 1)
+        check_memory(key, value, per * value, available=available)

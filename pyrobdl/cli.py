@@ -12,7 +12,8 @@ Exit status (every command):
       ``--rerun-invalid``), no results to report or a corrupt cell (``report``)
 4     ``compare``: a file could not be written (disk full, I/O or permission error); the
       run stopped, finished cells are kept, the message names the file
-130   interrupted (Ctrl-C); finished cells are kept and a rerun resumes
+130   interrupted (Ctrl-C or SIGTERM); finished cells are kept and a rerun resumes; worker
+      processes end with the run (also when it is killed: they watch their driver)
 ====  ==========================================================================
 """
 
@@ -36,7 +37,7 @@ _EPILOG = """exit status:
   3    results folder problem: corrupt/stale records (compare), no results or a corrupt
        cell (report)
   4    compare: a file could not be written (disk full, I/O, permission); finished cells kept
-  130  interrupted; finished cells are kept, rerunning resumes
+  130  interrupted (Ctrl-C, SIGTERM); finished cells are kept, rerunning resumes
 """
 
 
@@ -119,8 +120,12 @@ def _cmd_methods(args: argparse.Namespace) -> int:
     return 0
 
 
-def _init_worker(threads: int | None) -> None:
-    """Set up a worker process of ``--workers``: torch's thread count."""
+def _init_worker(threads: int | None, parent_pid: int | None = None) -> None:
+    """Set up a worker process of ``--workers``: it ends with the driver ``parent_pid``; torch's thread count."""
+    if parent_pid is not None:
+        from .compare.workers import die_with_parent
+
+        die_with_parent(parent_pid)
     if threads is not None:
         import torch
 
@@ -197,6 +202,9 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError, TypeError) as e:
         _err(str(e))
         return 2
+    except ResultsError as e:
+        _err(str(e))
+        return 3
     pool = None
     if args.executor == "ray":
         from .compare.ray_executor import RayExecutor
@@ -211,13 +219,16 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     elif args.workers > 1:
         import concurrent.futures as cf
         import multiprocessing as mp
+        import os
 
         # --threads applies to every worker too: torch's thread count is per process
         pool = cf.ProcessPoolExecutor(max_workers=args.workers, mp_context=mp.get_context("spawn"),
-                                      initializer=_init_worker, initargs=(args.threads,))
+                                      initializer=_init_worker, initargs=(args.threads, os.getpid()))
         executor = FuturesExecutor(pool)
     else:
         executor = InProcessExecutor()
+    finished = False
+    previous_term = _raise_on_sigterm()
     try:
         summary = run_suite(
             suite, args.out, data_dir=args.data_dir, device=args.device, only=only, executor=executor,
@@ -225,6 +236,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             log=(lambda line: print(line, flush=True)) if args.no_progress else None,
             ship_data=args.ship_data, threads=args.threads,
         )
+        finished = True
     except (ConfigError, ValueError, FolderLockedError) as e:
         _err(str(e))
         return 2
@@ -241,9 +253,18 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         return 130
     finally:
         if isinstance(pool, _cf_executor_type()):
-            pool.shutdown(cancel_futures=True)
+            if finished:
+                pool.shutdown(cancel_futures=True)
+            else:  # stopped (error, Ctrl-C, SIGTERM): do not wait for the running cells
+                from .compare.workers import stop_pool
+
+                stop_pool(pool)
         elif pool is not None:
-            pool.shutdown()
+            pool.shutdown()  # a Ray started here is shut down; a joined cluster is left alone
+        if previous_term is not None:
+            import signal
+
+            signal.signal(signal.SIGTERM, previous_term)
     print(
         f"{suite.name}: {len(summary.ok)} cell(s) ran ok, {len(summary.failed)} failed, "
         f"{len(summary.skipped)} already done; {summary.wall_time_s:.1f} s; results in {summary.out}"
@@ -271,10 +292,12 @@ def _dry_run(suite: Any, args: argparse.Namespace, only: Any) -> int:
     from pathlib import Path
 
     from .compare.grid import check_plan, describe, expand, matches, select
+    from .compare.lock import check_out_contents
     from .compare.store import cell_state
 
     cells = select(expand(suite, args.data_dir or suite.data_dir), only)
     check_plan(suite, cells, args.data_dir or suite.data_dir)
+    check_out_contents(args.out)  # what a run would refuse, refused here too (nothing created)
     print(f"{suite.name}: {describe(cells, only)}")
     counts: dict[str, int] = {}
     for c in cells:
@@ -288,6 +311,21 @@ def _dry_run(suite: Any, args: argparse.Namespace, only: Any) -> int:
     print("  " + ", ".join(f"{n} {label}" for label, n in counts.items())
           + f"; compare would run {len(cells) - counts.get('done', 0)} cell(s)")
     return 0
+
+
+def _raise_on_sigterm() -> Any:
+    """SIGTERM stops ``compare`` as Ctrl-C does (exit 130, worker processes and a Ray started here
+    stopped, the lock released); returns the previous handler (None off the main thread)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    return signal.signal(signal.SIGTERM, handler)
 
 
 def _cf_executor_type() -> type:

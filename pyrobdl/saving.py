@@ -122,8 +122,10 @@ def load_posterior(path: str | os.PathLike[str], *, device: str | torch.device =
     FileNotFoundError
         If ``path`` holds no saved posterior.
     ValueError
-        For another format version, a class outside pyrobdl, or tensors that do not fit the
-        rebuilt model or guide.
+        For another format version, a class outside pyrobdl, tensors that do not fit the
+        rebuilt model or guide, a damaged or forged file (unreadable JSON or tensors, a field
+        missing or of the wrong type, anything but plain tensors), or parameters that are NaN
+        or infinite; the message names the file.
     """
     from .diagnostics.certification import Certification
     from .inference.registry import install_guide_builder
@@ -132,27 +134,85 @@ def load_posterior(path: str | os.PathLike[str], *, device: str | torch.device =
     install_guide_builder()  # SVIPosterior rebuilds its guide through the method registry
 
     path = Path(path)
-    if not (path / _META).exists() or not (path / _TENSORS).exists():
+    if not (path / _META).is_file() or not (path / _TENSORS).is_file():
         raise FileNotFoundError(f"{path} is not a saved posterior (expected {_META} and {_TENSORS})")
-    meta = json.loads((path / _META).read_text(encoding="utf-8"))
-    if meta.get("format") != "pyrobdl-posterior" or meta.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{path / _META}: format {meta.get('format')!r} version {meta.get('format_version')!r}; "
-                         f"this pyrobdl reads pyrobdl-posterior version {FORMAT_VERSION}")
+    meta = _read_meta(path / _META)
     module, name = meta["class"]["module"], meta["class"]["name"]
     if not (module == "pyrobdl" or module.startswith("pyrobdl.")):
         raise ValueError(f"{path / _META}: posterior class {module}.{name} is not part of pyrobdl; refusing to import it")
-    cls = getattr(importlib.import_module(module), name, None)
+    try:
+        cls = getattr(importlib.import_module(module), name, None)
+    except ImportError:
+        cls = None
     if not (isinstance(cls, type) and issubclass(cls, Posterior)):
         raise ValueError(f"{path / _META}: {module}.{name} is not a Posterior class")
-    flat = torch.load(path / _TENSORS, map_location=device, weights_only=True)
+    flat = _read_tensors(path / _TENSORS, device)
     tensors = {k.removeprefix("state/"): v for k, v in flat.items() if k.startswith("state/")}
-    model = model_from_spec(meta["model"]).to(device)
-    common = {
-        "method": meta["method"], "settings": _restore_float(meta["settings"]),
-        "cost": Cost(**_restore_float(meta["cost"])), "history": flat["history"].cpu().numpy(),
-        "diagnostics": _restore_float(meta["diagnostics"]),
-    }
-    posterior = cls._from_state(model, tensors, _restore_float(meta["state"]), common)
-    if meta.get("certification") is not None:
-        posterior.certification = Certification.from_dict(_restore_float(meta["certification"]))
+    try:
+        model = model_from_spec(meta["model"]).to(device)
+        common = {
+            "method": meta["method"], "settings": _restore_float(meta["settings"]),
+            "cost": Cost(**_restore_float(meta["cost"])), "history": flat["history"].cpu().numpy(),
+            "diagnostics": _restore_float(meta["diagnostics"]),
+        }
+        posterior = cls._from_state(model, tensors, _restore_float(meta["state"]), common)
+        if meta.get("certification") is not None:
+            posterior.certification = Certification.from_dict(_restore_float(meta["certification"]))
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, RuntimeError) as e:
+        if isinstance(e, ValueError) and str(path) in str(e):
+            raise
+        raise ValueError(f"{path}: not a loadable saved posterior ({type(e).__name__}: {str(e)[:200]}); save it "
+                         "again with Posterior.save") from None
     return posterior
+
+
+#: Fields of posterior.json that load_posterior reads, with their JSON types.
+_FIELDS = {"format": str, "format_version": int, "class": dict, "model": dict, "method": str, "settings": dict,
+           "cost": dict, "diagnostics": dict, "state": dict}
+
+
+def _read_meta(file: Path) -> dict[str, Any]:
+    """posterior.json, with every field :func:`load_posterior` reads checked; errors name the file."""
+    try:
+        meta = json.loads(file.read_bytes()[:1 << 26].decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ValueError(f"{file}: not a readable posterior description ({type(e).__name__}); save the "
+                         "posterior again with Posterior.save") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{file}: expected a JSON object, got {type(meta).__name__}")
+    if meta.get("format") != "pyrobdl-posterior" or meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{file}: format {repr(meta.get('format'))[:40]} version "
+                         f"{repr(meta.get('format_version'))[:20]}; this pyrobdl reads pyrobdl-posterior version "
+                         f"{FORMAT_VERSION}")
+    for key, kind in _FIELDS.items():
+        if not isinstance(meta.get(key), kind) or isinstance(meta.get(key), bool):
+            raise ValueError(f"{file}: field {key!r} must be a JSON {kind.__name__}, got "
+                             f"{type(meta.get(key)).__name__ if key in meta else 'nothing'}")
+    if meta.get("certification") is not None and not isinstance(meta["certification"], dict):
+        raise ValueError(f"{file}: field 'certification' must be a JSON object or null")
+    if not all(isinstance(meta["class"].get(k), str) for k in ("module", "name")):
+        raise ValueError(f"{file}: field 'class' must hold strings 'module' and 'name'")
+    return meta
+
+
+def _read_tensors(file: Path, device: Any) -> dict[str, torch.Tensor]:
+    """tensors.pt as plain tensors (``weights_only``: no code runs), every parameter finite."""
+    try:
+        flat = torch.load(file, map_location=device, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - torch raises many kinds for a damaged or forged file
+        raise ValueError(f"{file}: not a readable tensor file ({type(e).__name__}: {str(e).strip()[:160]}); "
+                         "save the posterior again with Posterior.save") from None
+    if not isinstance(flat, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                             for k, v in flat.items()):
+        raise ValueError(f"{file}: expected a flat {{name: tensor}} dict")
+    if "history" not in flat:
+        raise ValueError(f"{file}: no 'history' tensor")
+    for key, t in flat.items():
+        # the parameters (guide state, draws, members, mean and curvature); a sampler trace may
+        # hold infinite energies of divergent transitions, and a loss history a diverged step
+        if key.startswith("state/") and not key.startswith("state/trace/") and t.is_floating_point():
+            bad = int((~torch.isfinite(t)).sum())
+            if bad:
+                raise ValueError(f"{file}: tensor {key.removeprefix('state/')!r} holds {bad} NaN or infinite "
+                                 "value(s); a posterior with non-finite parameters is refused")
+    return flat

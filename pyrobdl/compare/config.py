@@ -335,8 +335,9 @@ def _check_value_type(default: Any, value: Any) -> str | None:
         if _is_number(value) or (isinstance(value, list) and value and all(_is_number(v) for v in value)):
             return None
         return f"must be a number (or a list of numbers), got {value!r}"
-    if isinstance(default, str):
-        return None if isinstance(value, str) else f"must be a string, got {value!r}"
+    if isinstance(default, str):  # a choice, or 'auto' standing for a flag or a number (chees compile, chunk_size)
+        ok = isinstance(value, (str, bool)) or _is_number(value)
+        return None if ok else f"must be a string (or a flag or number the method takes), got {value!r}"
     return None
 
 
@@ -664,4 +665,9 @@ def load_suite(path: str | Path) -> Suite:
             raw = tomllib.load(fh)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}); save the suite file as UTF-8") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: nested too deeply to be a suite file (arrays or tables inside each other "
+                          "beyond Python's recursion limit)") from None
     return parse_suite(raw, path)

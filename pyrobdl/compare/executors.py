@@ -96,10 +96,30 @@ class FuturesExecutor:
             raise TypeError(f"pool must be a concurrent.futures.Executor, got {type(pool).__name__}")
         self.pool = pool
         self._futures: list[cf.Future] = []
+        #: Why the pool broke (a worker process died), once it has: it is never submitted to again.
+        self.broken: str | None = None
+
+    def _not_run(self, tasks: Sequence[T], on_crash: Callable[[T, str], R] | None) -> Iterator[R]:
+        """The results of tasks never submitted because the pool broke (in this stage or an earlier one)."""
+        if on_crash is None:
+            raise cf.process.BrokenProcessPool(self.broken)
+        for t in tasks:
+            yield on_crash(t, f"not run: the worker pool broke earlier in this run ({self.broken}); "
+                              "rerun the same command to run it")
 
     def map_unordered(self, fn: Callable[[T], R], tasks: Sequence[T],
                       on_crash: Callable[[T, str], R] | None = None) -> Iterator[R]:
-        futures = {self.pool.submit(fn, t): t for t in tasks}
+        if self.broken is not None:  # a broken pool is never reused: every later stage's cells fail, rerun later
+            yield from self._not_run(tasks, on_crash)
+            return
+        futures: dict[cf.Future, T] = {}
+        for i, t in enumerate(tasks):
+            try:
+                futures[self.pool.submit(fn, t)] = t
+            except cf.process.BrokenProcessPool as err:  # broke between stages, or while submitting
+                self.broken = f"a worker process died: {err}"  # those submitted before fail below
+                yield from self._not_run(tasks[i:], on_crash)
+                break
         self._futures = list(futures)
         try:
             for fut in cf.as_completed(futures):
@@ -108,6 +128,7 @@ class FuturesExecutor:
                 except cf.process.BrokenProcessPool as err:
                     # a worker process died (killed, out of memory, a crash in native code): the
                     # pool is unusable, so every task not finished yet ends here too
+                    self.broken = f"a worker process died: {err}"
                     if on_crash is None:
                         raise
                     result = on_crash(futures[fut], "a worker process of the pool died (killed, out of memory "

@@ -325,6 +325,7 @@ def check_plan(suite: Suite, cells: list[Cell], data_dir: str | None) -> None:
         try:
             model = build_model(c.spec["model"], data)
             meth = get_method(c.spec["method"]["name"])
+            _check_sizes(c, model, data, meth.options)
             if meth.check_model is not None:
                 meth.check_model(model, c.spec["method"]["options"])
         except (TypeError, ValueError) as e:
@@ -339,6 +340,20 @@ def check_plan(suite: Suite, cells: list[Cell], data_dir: str | None) -> None:
 def matches(cell: Cell, only: Mapping[str, Iterable[str]]) -> bool:
     """Whether ``cell`` matches an ``--only`` filter itself (not as a reference it pulled in)."""
     return all(str(getattr(cell, k)) in set(v) for k, v in only.items())
+
+
+def _check_sizes(c: Cell, model: Any, data: Any, defaults: Any) -> None:
+    """Sizes no machine here can hold, refused before work naming the option (issue 42): the
+    network, the method's step/sample counts, and ``num_eval_samples`` draws of the test split."""
+    from .._validation import check_fit_sizes, check_memory, check_option_values
+
+    options = {**defaults, **c.spec["method"]["options"]}
+    check_option_values(c.spec["method"]["name"], defaults, c.spec["method"]["options"])
+    check_fit_sizes(model, options)
+    s = int(c.spec["num_eval_samples"])
+    params = sum((a + 1) * b for a, b in zip([model.in_features, *model.hidden], [*model.hidden, model.out_features]))
+    rows = int(data.x_test.shape[0]) if getattr(data, "x_test", None) is not None else 0
+    check_memory("suite.num_eval_samples", s, 4.0 * s * (params + rows * model.out_features))
 
 
 def describe(cells: list[Cell], only: Mapping[str, Iterable[str]] | None = None) -> str:

@@ -25,7 +25,8 @@ from typing import Any
 from .._io import lock_exclusive
 from .store import ResultsError
 
-__all__ = ["LOCK_FILE", "FolderLockedError", "OutFolderError", "RunLock", "check_out_folder", "lock_exclusive"]
+__all__ = ["LOCK_FILE", "FolderLockedError", "OutFolderError", "RunLock", "check_out_contents", "check_out_folder",
+           "lock_exclusive"]
 
 LOCK_FILE = ".pyrobdl.lock"
 
@@ -38,8 +39,70 @@ class OutFolderError(ValueError):
     """The results folder cannot be created or written (a usage error: nothing was run)."""
 
 
-def check_out_folder(out: str | Path) -> Path:
-    """Create ``out`` if needed and make sure files can be created in it, before any work.
+#: Entries a results folder holds before its manifest (``cells.json``) is written.
+_EARLY_ENTRIES = frozenset({"cells", "checkpoints", LOCK_FILE, "suite.toml"})
+_MAX_NAME = 255  # bytes in one path component (Linux, macOS)
+
+
+def _lock_content(path: Path) -> str:
+    """``"absent"``, ``"ours"`` (empty, or a pyrobdl lock record) or ``"foreign"`` (anything else,
+    a symbolic link or a folder included): a foreign file is never opened for writing."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        return "absent"
+    except OSError:
+        return "foreign"  # a symbolic link (ELOOP), a fifo, no permission to read
+    try:
+        import stat
+
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return "foreign"
+        head = os.read(fd, 4097)
+    except OSError:
+        return "foreign"
+    finally:
+        os.close(fd)
+    if not head.strip():
+        return "ours"  # the released lock of an earlier version; nothing to lose
+    try:
+        info = json.loads(head.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return "foreign"
+    ours = isinstance(info, dict) and (info.get("pyrobdl") == "run lock" or {"pid", "host", "run"} <= set(info))
+    return "ours" if ours else "foreign"
+
+
+def _manifest_is_ours(path: Path) -> bool:
+    try:
+        doc = json.loads(path.read_bytes()[:1 << 26].decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return False
+    return isinstance(doc, dict) and isinstance(doc.get("schema"), str) and doc["schema"].startswith("pyrobdl.cells/")
+
+
+def _check_out_name(out: str | Path) -> Path:
+    text = os.fspath(out)
+    if not isinstance(text, str) or not text.strip():
+        raise OutFolderError("--out is empty: name the results folder (a new or empty folder, or an earlier "
+                             "pyrobdl results folder to resume); the current folder is never used implicitly")
+    if "\0" in text:
+        raise OutFolderError("--out contains a NUL character: name the results folder with an ordinary path")
+    for part in Path(text).parts:
+        size = len(os.fsencode(part))
+        if size > _MAX_NAME:
+            raise OutFolderError(f"--out {text[:60]}...: the name {part[:40]!r}... is {size} bytes long; a folder "
+                                 f"name can be at most {_MAX_NAME} bytes: use a shorter --out")
+    return Path(text)
+
+
+def check_out_contents(out: str | Path) -> Path:
+    """Refuse an ``--out`` that would overwrite or empty what a user wrote, before any work.
+
+    ``out`` must be absent, an empty folder, or a pyrobdl results folder: one with a pyrobdl
+    manifest ``cells.json``, or (a run stopped before writing it) holding only pyrobdl's own
+    entries (``cells/``, ``checkpoints/``, the lock file and the suite's copy next to a pyrobdl
+    lock).  Nothing is created.
 
     Parameters
     ----------
@@ -53,12 +116,65 @@ def check_out_folder(out: str | Path) -> Path:
     Raises
     ------
     OutFolderError
-        If ``out`` is a file, lies inside a file, or cannot be created or written (read-only
-        file system, no permission); the message names the folder and the reason.
+        If ``out`` is empty (``''``), a name too long for the file system, a file, or a folder
+        with files pyrobdl did not write (the message names a few of them); exit status 2.
+    ResultsError
+        If ``out`` is a pyrobdl results folder (its lock file and ``cells/`` are pyrobdl's) whose
+        manifest ``cells.json`` is damaged; exit status 3.
     """
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise OutFolderError(f"--out {out}: exists and is not a folder")
+    out = _check_out_name(out)
+    try:
+        if not out.exists():
+            return out
+        if not out.is_dir():
+            raise OutFolderError(f"--out {out}: exists and is not a folder")
+        names = sorted(p.name for p in out.iterdir())
+    except OSError as e:
+        raise OutFolderError(f"--out {out}: cannot read it: {e.strerror or e}") from None
+    if not names:
+        return out
+    lock = _lock_content(out / LOCK_FILE)
+    if lock == "foreign":
+        raise OutFolderError(f"--out {out}: it holds a file named {LOCK_FILE} that pyrobdl did not write; pyrobdl "
+                             "will not touch it: use another --out (a new or empty folder)")
+    if "cells.json" in names:
+        if _manifest_is_ours(out / "cells.json"):
+            return out
+        if lock == "ours" and (out / "cells").is_dir():
+            raise ResultsError(f"results folder {out}: its manifest {out / 'cells.json'} is damaged (not a pyrobdl "
+                               "manifest): restore it, or use another --out")
+    elif set(names) <= _EARLY_ENTRIES and ("suite.toml" not in names or lock == "ours"):
+        return out
+    foreign = [n for n in names if n not in _EARLY_ENTRIES] or names
+    shown = ", ".join(repr(n) for n in foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+    raise OutFolderError(f"--out {out}: not empty and not a pyrobdl results folder (it holds {shown}); pyrobdl "
+                         "writes only into a new or empty folder, or into its own results folder to resume: "
+                         "use another --out")
+
+
+def check_out_folder(out: str | Path) -> Path:
+    """Check ``out`` (:func:`check_out_contents`), create it if needed and make sure files can be
+    created in it, before any work.
+
+    Parameters
+    ----------
+    out : str or pathlib.Path
+        The results folder.
+
+    Returns
+    -------
+    pathlib.Path
+
+    Raises
+    ------
+    OutFolderError
+        If ``out`` is refused by :func:`check_out_contents`, lies inside a file, or cannot be
+        created or written (read-only file system, no permission); the message names the folder
+        and the reason.
+    ResultsError
+        A pyrobdl results folder with a damaged manifest.
+    """
+    out = check_out_contents(out)
     try:
         (out / "cells").mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -111,6 +227,9 @@ class RunLock:
             import fcntl  # noqa: F401
         except ImportError:  # pragma: no cover - Windows: no flock
             return self
+        if _lock_content(self.path) == "foreign":
+            raise OutFolderError(f"--out {self.path.parent}: it holds a file named {LOCK_FILE} that pyrobdl did not "
+                                 "write; pyrobdl will not touch it: use another --out (a new or empty folder)")
         try:
             fd = lock_exclusive(self.path)
         except BlockingIOError:
@@ -123,7 +242,7 @@ class RunLock:
         except OSError as e:
             what = "create its lock file" if e.filename else "lock it"
             raise OutFolderError(f"--out {self.path.parent}: cannot {what}: {e.strerror or e}") from None
-        info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "run": self.run_id,
+        info = json.dumps({"pyrobdl": "run lock", "pid": os.getpid(), "host": socket.gethostname(), "run": self.run_id,
                            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
         try:
             os.ftruncate(fd, 0)
@@ -136,8 +255,9 @@ class RunLock:
     def __exit__(self, *exc: Any) -> None:
         if self._fd is not None:
             fd, self._fd = self._fd, None
-            try:
+            try:  # released: still recognisably pyrobdl's file (an empty one could be anybody's)
                 os.ftruncate(fd, 0)
+                os.pwrite(fd, json.dumps({"pyrobdl": "run lock", "held": False}).encode() + b"\n", 0)
             except OSError:
                 pass
             os.close(fd)  # closing the descriptor releases the flock

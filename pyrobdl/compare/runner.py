@@ -53,7 +53,7 @@ from . import artifacts
 from .config import Suite
 from .executors import Executor, InProcessExecutor
 from .grid import Cell, build_model, check_plan, describe, expand, select
-from .lock import RunLock, check_out_folder
+from .lock import RunLock, check_out_contents, check_out_folder
 from .reference_cells import (
     REFERENCE_DRAWS,
     ReferencePayload,
@@ -718,8 +718,9 @@ def run_suite(
         resolve_device(device, torch.device("cpu"))
     grid = expand(suite, data_dir)
     cells = select(grid, only or {})
-    out = check_out_folder(out)
+    check_out_contents(out)  # refused before anything is loaded; created only once the plan holds
     check_plan(suite, cells, data_dir)
+    out = check_out_folder(out)
     cells_root = out / "cells"
     if log is None:
         log = (lambda s: _tqdm_write(s)) if progress else (lambda s: None)

@@ -325,7 +325,28 @@ def verify_artifacts(record: Mapping[str, Any], cell_dir: Path) -> list[str]:
                 continue
             if actual != expected:
                 problems.append(f"{path} does not match its checksum (damaged or replaced)")
+            elif path.suffix == ".npz":
+                problems += _npz_problems(path)
     return problems
+
+
+def _npz_problems(path: Path) -> list[str]:
+    """An NPZ artifact must hold plain numeric arrays: an object array (which only unpickling
+    could read) is refused, even with a matching checksum (a forged record and file)."""
+    import zipfile
+
+    try:
+        with path.open("rb") as fh:
+            data = np.load(fh, allow_pickle=False)
+            if not hasattr(data, "files"):
+                return [f"{path} is not an NPZ archive"]
+            with data:
+                for key in data.files:
+                    if data[key].dtype.kind not in "biufc":
+                        return [f"{path}: array {key[:40]!r} is not numeric (dtype {data[key].dtype})"]
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        return [f"{path} is not a numeric NPZ file ({type(e).__name__}: {str(e)[:100]})"]
+    return []
 
 
 def cell_state(cell_dir: Path, config_hash: str, needs_reference: bool,

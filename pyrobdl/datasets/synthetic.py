@@ -243,6 +243,19 @@ class BLRData(RegressionData):
     posterior: ExactBLRPosterior
 
 
+def _check_size(num_train: int, num_test: int, in_features: int) -> None:
+    """Refuse a data set no machine here can hold, naming the option, before drawing it (a float
+    of x and y per value, twice: the draw and its conversion)."""
+    from .._validation import check_memory
+
+    per_row = 2 * 8.0 * (in_features + 1)
+    if in_features > 1:
+        check_memory("in_features", in_features, per_row * (num_train + num_test))
+    check_memory("num_train", num_train, per_row * num_train)
+    check_memory("num_test", num_test, per_row * num_test)
+    check_memory("num_train + num_test", num_train + num_test, per_row * (num_train + num_test))
+
+
 def bayesian_linear_regression(
     num_train: int = 100,
     num_test: int = 100,
@@ -300,6 +313,7 @@ def bayesian_linear_regression(
     num_train = _count(num_train, "num_train", 1)
     num_test = _count(num_test, "num_test", 1)
     in_features = _count(in_features, "in_features", 1)
+    _check_size(num_train, num_test, in_features)
     prior_scale = _positive_real(prior_scale, "prior_scale")
     precision = _positive_real(precision, "precision")
     gen = _generator(seed)
@@ -381,6 +395,7 @@ def gap_regression(
     """
     num_train = _count(num_train, "num_train", 2)
     num_test = _count(num_test, "num_test", 2)
+    _check_size(num_train, num_test, 1)
     noise_sd = _positive_real(noise_sd, "noise_sd", allow_zero=True)
     gen = _generator(seed)
 

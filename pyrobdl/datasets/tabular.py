@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import os
+import zipfile
 from pathlib import Path
 import numpy as np
 import torch
@@ -73,7 +74,7 @@ def _read_csv(path: Path, delimiter: str) -> tuple[np.ndarray, list[str] | None]
     """
     rows: list[tuple[int, list[str]]] = []
     try:
-        with path.open(newline="", encoding="utf-8") as fh:
+        with path.open(newline="", encoding="utf-8-sig") as fh:  # a byte-order mark is not part of a name
             reader = csv.reader(fh, delimiter=delimiter)
             for r in reader:
                 if any(v.strip() for v in r):
@@ -88,6 +89,10 @@ def _read_csv(path: Path, delimiter: str) -> tuple[np.ndarray, list[str] | None]
     header = None
     if any(_number(v) is None for v in first):
         header = [h.strip() for h in first]
+        dup = sorted({h for h in header if header.count(h) > 1})
+        if dup:
+            raise ValueError(f"{path}: duplicate column name(s) in the header line: {[h[:40] for h in dup[:10]]}; "
+                             "give every column its own name")
         rows = rows[1:]
         if not rows:
             raise ValueError(f"{path}: a header line and no data rows")
@@ -107,27 +112,53 @@ def _read_csv(path: Path, delimiter: str) -> tuple[np.ndarray, list[str] | None]
     return table, header
 
 
+def _npz(loaded: Any) -> Any:
+    """``loaded`` as a context manager (np.load returns a bare array for a .npy file)."""
+    import contextlib
+
+    return loaded if hasattr(loaded, "__enter__") else contextlib.nullcontext(loaded)
+
+
+def _read_npz(path: Path, target: Any) -> tuple[Any, Any, Any]:
+    """``(x, y, None)`` from arrays 'x' and 'y', or ``(None, None, table)`` from a single 2-D array;
+    object arrays are refused (``allow_pickle=False``)."""
+    with path.open("rb") as fh, _npz(np.load(fh, allow_pickle=False)) as data:  # fh: numpy leaks its own on errors
+        if not hasattr(data, "files"):
+            raise ValueError(f"{path}: a single .npy array, not an NPZ archive; write it with numpy.savez")
+        if "x" in data and "y" in data:
+            x, y = np.asarray(data["x"], dtype=float), np.asarray(data["y"], dtype=float)
+            if x.ndim != 2 or y.ndim != 1 or x.shape[0] != y.shape[0]:
+                raise ValueError(f"{path}: 'x' must be [N, D] and 'y' [N], got shapes {x.shape} and {y.shape}")
+            check_float32_range(x, f"{path}: array 'x'")
+            check_float32_range(y, f"{path}: array 'y'")
+            return x, y, None
+        if len(data.files) != 1 or not isinstance(target, int):
+            raise ValueError(
+                f"{path}: an NPZ file needs arrays 'x' and 'y', or one 2-D array and an integer "
+                f"`target` column; found arrays {data.files[:20]}"
+            )
+        table = np.asarray(data[data.files[0]], dtype=float)
+    if table.ndim != 2:
+        raise ValueError(f"{path}: expected a 2-D table, got shape {table.shape}")
+    check_float32_range(table, f"{path}")
+    return None, None, table
+
+
 def _read_table(path: Path, target: Any, delimiter: str) -> tuple[np.ndarray, np.ndarray]:
     """Features and target column of a delimited text file (header optional) or an NPZ file."""
+    if isinstance(target, bool) or not isinstance(target, (int, str)):
+        raise TypeError(f"{path}: target must be a column name or an integer index, got {target!r}")
     if path.suffix == ".npz":
-        with np.load(path) as data:
-            if "x" in data and "y" in data:
-                x, y = np.asarray(data["x"], dtype=float), np.asarray(data["y"], dtype=float)
-                if x.ndim != 2 or y.ndim != 1 or x.shape[0] != y.shape[0]:
-                    raise ValueError(f"{path}: 'x' must be [N, D] and 'y' [N], got shapes {x.shape} and {y.shape}")
-                check_float32_range(x, f"{path}: array 'x'")
-                check_float32_range(y, f"{path}: array 'y'")
-                return x, y
-            if len(data.files) != 1 or not isinstance(target, int):
-                raise ValueError(
-                    f"{path}: an NPZ file needs arrays 'x' and 'y', or one 2-D array and an integer "
-                    f"`target` column; found arrays {data.files}"
-                )
-            table = np.asarray(data[data.files[0]], dtype=float)
-            header = [str(i) for i in range(table.shape[1])] if table.ndim == 2 else []
-        if table.ndim != 2:
-            raise ValueError(f"{path}: expected a 2-D table, got shape {table.shape}")
-        check_float32_range(table, f"{path}")
+        try:
+            x, y, table = _read_npz(path, target)
+        except (OSError, EOFError, ValueError, TypeError, zipfile.BadZipFile, KeyError) as e:
+            if str(e).startswith(f"{path}: "):
+                raise
+            raise ValueError(f"{path}: not a readable NPZ file of numeric arrays ({type(e).__name__}: "
+                             f"{str(e)[:120]}); write it with numpy.savez") from None
+        if table is None:
+            return x, y
+        header = [str(i) for i in range(table.shape[1])]
     else:
         table, header = _read_csv(path, delimiter)
     if isinstance(target, int):

@@ -20,7 +20,7 @@ import numpy as np
 import pyro
 import torch
 
-from .._validation import check_data, resolve_device
+from .._validation import check_data, check_fit_sizes, check_option_values, resolve_device
 from .._saved import lost_in_json
 from ..posterior import Posterior, SVIPosterior
 from ..torch_interop import init_sites
@@ -365,11 +365,13 @@ def fit(
             f"method {method!r} does not take option(s) {unknown}; valid options: "
             f"{sorted(meth.options) + list(COMMON_OPTIONS)}"
         )
+    check_option_values(method, meth.options, options)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed must be an int, got {seed!r}")
     if not 0 <= seed < 2**32:
         raise ValueError(f"seed must be in 0..2**32-1 (what numpy and torch accept), got {seed}")
     full = {**meth.options, **init_options, **options}
+    check_fit_sizes(model, full)  # before anything is allocated
     if init is not None:
         full["init"] = init_sites(model, init)
     if meth.check_model is not None:
