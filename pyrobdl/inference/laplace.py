@@ -52,7 +52,7 @@ from typing import Any, Mapping
 import torch
 
 from ..flat import FlatLogJoint
-from ..posterior import Cost, Posterior, Prediction, predictive_from_draws
+from ..posterior import Cost, Posterior
 from .ensemble import LOOP_OPTIONS, _check_options as _check_ensemble_options, init_members, loop_settings, train_members
 from .registry import Method, register_method
 from .svi import _peak_memory
@@ -458,37 +458,27 @@ class LaplacePosterior(Posterior):
         theta = self.mean.double() + self._offsets(num_samples)
         return self.layout.unpack(theta.to(self.mean.dtype))
 
-    def predict(self, x: Any, num_samples: int = 200, *, seed: int | None = None) -> Prediction:
-        """Posterior predictive; with ``predictive="linearized"`` the network is replaced by its
-        first-order expansion at the MAP, :math:`f_*(x) + J_*(x)(\theta - \theta_*)` (Immer et al.
-        2021), evaluated at the same weight draws.  See :meth:`Posterior.predict`."""
+    def function(self, draws: Mapping[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        r"""The network at the draws (``predictive="sample"``) or, with ``predictive="linearized"``,
+        its first-order expansion at the MAP, :math:`f_*(x) + J_*(x)(\theta - \theta_*)` (Immer et
+        al. 2021), at the same draws.  :meth:`predict`, the ArviZ export, the training-data
+        PSIS-LOO and the report's calibration curve all go through it; see
+        :meth:`Posterior.function`."""
         if self.predictive == "sample":
-            return super().predict(x, num_samples, seed=seed)
-        from .._validation import check_inputs
+            return self.model.network(draws, x)
+        mean64 = self.mean.double()
+        delta = self.layout.pack(draws).double() - mean64  # [S, P]
 
-        x = check_inputs(self.model, x).to(self.model.device)
-        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-            raise ValueError(f"num_samples must be an integer >= 1, got {num_samples!r}")
-        if seed is not None:
-            import pyro
+        def f(t: torch.Tensor, xb: torch.Tensor) -> torch.Tensor:
+            return self.model.network(self.layout.unpack(t), xb)
 
-            pyro.set_rng_seed(seed)
+        parts = []
         with torch.no_grad():
-            delta = self._offsets(num_samples)
-            theta = self.mean.double() + delta
-            draws = self.layout.unpack(theta.to(self.mean.dtype))
-            mean64 = self.mean.double()
-
-            def f(t: torch.Tensor, xb: torch.Tensor) -> torch.Tensor:
-                return self.model.network(self.layout.unpack(t), xb)
-
-            parts = []
             for i in range(0, x.shape[0], self._chunk):
                 xb = x[i : i + self._chunk].double()
                 jac = torch.func.jacrev(f)(mean64, xb)  # [B, O, P]
                 parts.append(f(mean64, xb) + torch.einsum("bop,sp->sbo", jac, delta))
-            fx = torch.cat(parts, 1).to(self.mean.dtype)
-            return predictive_from_draws(self.model, draws, x, f=fx)
+        return torch.cat(parts, 1).to(self.mean.dtype)
 
 
 def _check_options(model: Any, options: Mapping[str, Any]) -> None:
