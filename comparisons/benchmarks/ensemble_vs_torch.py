@@ -131,7 +131,8 @@ def main() -> None:
     p.add_argument("--splits", default="0-4", help="a range a-b or a comma list")
     p.add_argument("--variants", default="pyrobdl,torch")
     p.add_argument("--ens-options", default="{}", help="JSON options for the pyrobdl variant(s)")
-    p.add_argument("--repeats", type=int, default=1, help="seeds per split (0, 1, ...)")
+    p.add_argument("--repeats", type=int, default=1, help="seeds per split (first-seed, first-seed + 1, ...)")
+    p.add_argument("--first-seed", type=int, default=0)
     p.add_argument("--data-dir", default=os.environ.get("PYROBDL_DATA_DIR"))
     p.add_argument("--threads", type=int, default=1)
     a = p.parse_args()
@@ -144,7 +145,7 @@ def main() -> None:
     print(f"{'variant':<16} {'split':>5} {'seed':>4} {'test LL':>9} {'RMSE':>7} {'wall s':>7} {'CPU s':>7}")
     for split in splits:
         data = load_uci(a.dataset, split, data_dir=a.data_dir)
-        for seed in range(a.repeats):
+        for seed in range(a.first_seed, a.first_seed + a.repeats):
             for v in names:  # interleaved: every variant on the same split and seed back to back
                 t0, c0 = time.perf_counter(), time.process_time()
                 if v.startswith("pyrobdl"):
