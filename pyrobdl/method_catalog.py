@@ -28,7 +28,7 @@ METHODS: dict[str, tuple[str, dict[str, Any]]] = {
             'lr_schedule': 'constant',
             'kl_warmup': 0,
             'average_last': 0.1,
-            'elbo': 'trace_graph',
+            'elbo': 'direct_score_function',
             'kl': 'monte_carlo',
             'init_scale': 0.01,
             'init_loc': 'linear',

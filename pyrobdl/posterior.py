@@ -225,7 +225,29 @@ class Posterior:
         x = check_inputs(self.model, x).to(self.model.device)
         draws = self.sample(num_samples, seed=seed)
         with torch.no_grad():
-            return predictive_from_draws(self.model, draws, x)
+            return predictive_from_draws(self.model, draws, x, f=self.function(draws, x))
+
+    def function(self, draws: Mapping[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """The function this posterior's predictive puts at weight draws: ``[S, N, out]``.
+
+        The network itself (:meth:`BayesianMLP.network`) by default; a posterior whose predictive
+        is another function of the draws (Laplace's linearised network) overrides it.  Every
+        consumer of draws — :meth:`predict`, the ArviZ export, the training-data PSIS-LOO, the
+        report's calibration curve — goes through it, so they all score the same predictive.
+
+        Parameters
+        ----------
+        draws : dict
+            Site name -> ``[S, *site_shape]`` (constrained), e.g. from :meth:`sample`.
+        x : torch.Tensor
+            Validated inputs ``[N, in_features]`` on the model's device.
+
+        Returns
+        -------
+        torch.Tensor
+            Regression means or classification logits, ``[S, N, out_features]``.
+        """
+        return self.model.network(draws, x)
 
     def _mean_params(self) -> dict[str, torch.Tensor]:
         """The posterior mean of every weight and bias site, where the family has one network

@@ -235,7 +235,8 @@ def test_bbvi_and_mean_field_fits_start_from_the_same_parameters(init):
 
 def test_registry_entry_and_loop_defaults():
     method = get_method("bbvi")
-    assert method.options["elbo"] == "trace_graph" and method.options["kl"] == "monte_carlo"
+    # issue 38: the default estimator is the trace-free fast path (equal to trace_graph below)
+    assert method.options["elbo"] == "direct_score_function" and method.options["kl"] == "monte_carlo"
     assert method.options["num_particles"] > 1
     # issue 17: the default baseline became leave-one-out (docs/methods/bbvi.md, measured)
     assert method.options["baseline"] == "leave_one_out"
@@ -253,12 +254,17 @@ def test_bad_guide_options(bad):
         ScoreFunction(tiny_model(), **bad)
 
 
-@pytest.mark.parametrize("baseline", ["none", "decaying_average", "neural", "leave_one_out", "vargrad"])
-def test_fit_smoke_minibatch_and_predict(baseline):
+@pytest.mark.parametrize("baseline, elbo", [
+    *[(b, e) for b in ("none", "decaying_average", "leave_one_out", "vargrad")
+      for e in ("direct_score_function", "trace_graph")],
+    ("neural", "trace_graph"),  # the neural baseline needs Pyro's trace
+])
+def test_fit_smoke_minibatch_and_predict(baseline, elbo):
     x, y = torch.randn(30, 2), torch.randn(30)
     model = pyrobdl.BayesianMLP(2, (5,), 1)
     post = pyrobdl.fit(
-        model, x, y, "bbvi", num_steps=15, num_particles=4, batch_size=10, baseline=baseline, progress=False
+        model, x, y, "bbvi", num_steps=15, num_particles=4, batch_size=10, baseline=baseline, elbo=elbo,
+        progress=False,
     )
     # the decaying averages lived in the loop's private param-store scope (DESIGN.md trap)
     assert not any(k.startswith("__baseline") for k in pyro.get_param_store().keys())
@@ -282,8 +288,9 @@ def test_fit_smoke_minibatch_and_predict(baseline):
 def test_classification_fit():
     x, y = torch.randn(20, 2), torch.randint(0, 3, (20,))
     model = pyrobdl.BayesianMLP(2, (4,), 3, likelihood=pyrobdl.likelihoods.Categorical())
-    post = pyrobdl.fit(model, x, y, "bbvi", num_steps=5, baseline="neural", progress=False)
-    assert all(math.isfinite(v) for v in post.history)
+    for options in ({"baseline": "neural", "elbo": "trace_graph"}, {}):  # Pyro's path, and the default fast one
+        post = pyrobdl.fit(model, x, y, "bbvi", num_steps=5, progress=False, **options)
+        assert all(math.isfinite(v) for v in post.history)
 
 
 # BBVI on Bayesian linear regression: 3000 steps, 128 particles, decaying-average baseline,
@@ -517,3 +524,9 @@ def test_direct_fast_path_refuses_the_neural_baseline():
     model = tiny_model()
     with pytest.raises(ValueError, match="trace_graph"):
         make_elbo(model, ScoreFunction(model, baseline="neural"), elbo="direct_score_function", num_particles=2)
+    # the default elbo does not take the neural baseline: fit says which elbo does, before any step
+    with pytest.raises(ValueError, match="trace_graph"):
+        pyrobdl.fit(model, *tiny_data(), "bbvi", baseline="neural", progress=False)
+    post = pyrobdl.fit(model, *tiny_data(), "bbvi", baseline="neural", elbo="trace_graph", num_steps=3,
+                       progress=False)
+    assert post.settings["elbo"] == "trace_graph"

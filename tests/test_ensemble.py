@@ -223,3 +223,24 @@ def test_chees_chains_start_from_ensemble_members(monkeypatch):
     assert before.abs().max() <= 1.0
     assert post.diagnostics["map_chain_gradients"] == 4 * 30
     assert post.cost.gradient_evaluations >= 4 * 30 + post.diagnostics["leapfrog_steps_warmup"] * 4
+
+
+def test_member_batches_visit_every_point_once_per_epoch():
+    """Issue 38: an epoch ends with the N mod B points left (as DataLoader does), never drops them."""
+    from pyrobdl.inference.ensemble import _MemberBatches
+
+    torch.manual_seed(0)
+    n, b, k = 23, 5, 3
+    batches = _MemberBatches(k, n, b, torch.device("cpu"))
+    for _ in range(3):  # three epochs
+        sizes, seen = [], []
+        while sum(sizes) < n:
+            idx = batches.next()
+            assert idx.shape[0] == k
+            sizes.append(idx.shape[1])
+            seen.append(idx)
+        assert sizes == [5, 5, 5, 5, 3]
+        epoch = torch.cat(seen, 1)
+        for member in epoch:  # each member: a permutation of all points
+            assert torch.equal(member.sort().values, torch.arange(n))
+        assert not torch.equal(epoch[0], epoch[1])  # independent orders

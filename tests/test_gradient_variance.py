@@ -248,7 +248,8 @@ def test_bbvi_fit_and_diagnostic_on_device(device):
     x, y = torch.randn(24, 2), torch.randn(24)
     model = pyrobdl.BayesianMLP(2, (3,), 1)
     posterior = pyrobdl.fit(
-        model, x, y, "bbvi", num_steps=3, num_particles=4, baseline="neural", device=device, progress=False
+        model, x, y, "bbvi", num_steps=3, num_particles=4, baseline="neural", elbo="trace_graph", device=device,
+        progress=False,
     )
     assert all(p.device.type == device for p in posterior.guide.parameters())
     table = gradient_variance(

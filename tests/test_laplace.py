@@ -203,3 +203,60 @@ def test_kron_factored_draws_and_dense_fallback_agree(float64):
     dense = fit(pyrobdl.priors.Gaussian(1.0, bias_scale=1.0 + 1e-9))
     assert all(b.kron is None for b in dense._blocks)
     assert (dense.covariance() - factored.covariance()).abs().max() < 1e-6
+
+
+# --- models without biases (BayesianMLP(bias=False)) ---------------------------------------------
+
+def _bias_free_blr(blr):
+    """The exact posterior of Bayesian linear regression without an intercept:
+    precision I/s^2 + tau X^T X, mean tau Sigma X^T y."""
+    x, y = blr.x_train.double(), blr.y_train.double()
+    prec = torch.eye(x.shape[1], dtype=torch.float64) / PRIOR_SCALE**2 + PRECISION * x.t() @ x
+    cov = torch.linalg.inv(prec)
+    return cov @ (PRECISION * x.t() @ y), cov
+
+
+@pytest.mark.parametrize("hessian, curvature", [("full", "ggn"), ("full", "exact"), ("kron", "ggn"),
+                                                ("last_layer", "ggn"), ("diag", "ggn")])
+def test_laplace_without_biases_is_the_exact_blr_posterior(float64, blr, hessian, curvature):
+    model = pyrobdl.BayesianMLP(3, (), 1, prior=pyrobdl.priors.Gaussian(PRIOR_SCALE),
+                                likelihood=pyrobdl.likelihoods.Gaussian(PRECISION), bias=False)
+    newton = 1 if hessian == "full" else 0
+    post = pyrobdl.fit(model, blr.x_train.double(), blr.y_train.double(), "laplace", progress=False,
+                       num_steps=300, hessian=hessian, curvature=curvature, newton_steps=newton)
+    mean, cov = _bias_free_blr(blr)
+    assert post.layout.size == 3
+    if hessian == "diag":  # the optimal mean-field variances 1 / Lambda_ii
+        cov = torch.diag(1.0 / torch.diagonal(torch.linalg.inv(cov)))
+    assert (post.covariance() - cov).abs().max().item() < EXACT_TOL
+    if newton:
+        assert (post.mean - mean).abs().max().item() < EXACT_TOL
+    assert post.predict(blr.x_test.double(), 5, seed=0).samples.shape == (5, blr.x_test.shape[0], 1)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("task", ["regression", "classification"])
+def test_kron_on_one_datum_is_the_full_ggn_per_layer(float64, bias, task):
+    r"""With N = 1, K-FAC's :math:`\tfrac1N(\sum_n G_n)\otimes(\sum_n a_n a_n^\top)` is the
+    datum's exact :math:`G_1 \otimes a_1 a_1^\top`, i.e. each layer's diagonal block of the full
+    GGN: this holds the pre-activation Jacobians (hidden layers included) to the full GGN's."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(1, 2, generator=g)
+    if task == "regression":
+        y, lik, out = torch.randn(1, generator=g), pyrobdl.likelihoods.Gaussian(5.0), 1
+    else:
+        y, lik, out = torch.tensor([1]), pyrobdl.likelihoods.Categorical(), 3
+    model = pyrobdl.BayesianMLP(2, (3, 4), out, activation="tanh", likelihood=lik, bias=bias)
+    lj = FlatLogJoint(model, x, y)
+    theta = 0.5 * torch.randn(lj.size, generator=g)
+    options = {"hessian": "kron", "curvature": "ggn", "data_chunk": 256}
+    kron, _ = _blocks(model, lj, theta, options)
+    (full,), _ = _blocks(model, lj, theta, {**options, "hessian": "full"})
+    full_prec = torch.linalg.inv(full.covariance(1.0))
+    pos = {int(i): k for k, i in enumerate(full.index)}
+    assert sorted(int(i) for b in kron for i in b.index) == sorted(pos)
+    for b in kron:
+        rows = torch.tensor([pos[int(i)] for i in b.index])
+        want = full_prec[rows][:, rows]
+        got = torch.linalg.inv(b.covariance(1.0))
+        assert (got - want).abs().max() < 1e-8 * want.abs().max()

@@ -45,9 +45,11 @@ VARIANTS = {
     "mean_field, local reparam (flat path)": ("mean_field", {"local_reparameterization": True}),
     "mean_field, local reparam (distributions path)": ("mean_field", {"local_reparameterization": True, "elbo": "distributions"}),
     "mean_field, Pyro TraceMeanField_ELBO": ("mean_field", {"elbo": "trace"}),
-    "bbvi (default: 4 particles, leave-one-out, TraceGraph_ELBO)": ("bbvi", {}),
-    "bbvi, elbo=direct_score_function": ("bbvi", {"elbo": "direct_score_function"}),
-    "bbvi (16 particles, decaying average, TraceGraph_ELBO)": ("bbvi", {"num_particles": 16, "baseline": "decaying_average"}),
+    # issue 38: bbvi's default estimator is elbo="direct_score_function"; Pyro's path is an option
+    "bbvi (default: 4 particles, leave-one-out, direct_score_function)": ("bbvi", {}),
+    "bbvi, elbo=trace_graph (Pyro's TraceGraph_ELBO)": ("bbvi", {"elbo": "trace_graph"}),
+    "bbvi (16 particles, decaying average, TraceGraph_ELBO)": ("bbvi", {"num_particles": 16, "baseline": "decaying_average",
+                                                                       "elbo": "trace_graph"}),
 }
 
 

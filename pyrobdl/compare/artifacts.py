@@ -1,7 +1,7 @@
 r"""What a cell stores besides its metrics, computed from any posterior through its contract.
 
 Everything here uses only :meth:`Posterior.sample`, :meth:`Posterior.predict`,
-:meth:`BayesianMLP.network` and the likelihood's public ``noise_variance``, so it works for every
+:meth:`Posterior.function` and the likelihood's public ``noise_variance``, so it works for every
 registered method alike:
 
 * :func:`exact_posterior_metrics` — distance to the exact posterior when the model is conjugate
@@ -162,7 +162,7 @@ def calibration_curve(posterior: Posterior, data: Any, num_samples: int, seed: i
     y = data.y_test.to(model.device)
     with torch.no_grad():
         draws = posterior.sample(num_samples, seed=seed)
-        f = model.network(draws, x.reshape(x.shape[0], -1))
+        f = posterior.function(draws, x.reshape(x.shape[0], -1))  # the predictive the table scores
         if model.likelihood.task == "classification":
             probs = torch.softmax(f, dim=-1).mean(0).double().cpu().numpy()
             table = metrics.reliability_table(probs, y.cpu().numpy(), RELIABILITY_BINS)

@@ -195,7 +195,9 @@ def pointwise_log_likelihood(
     x_t, y_t = (t.to(model.device) for t in check_data(model, x, y))
     flat, c, d = _flat(chain_draws(posterior, num_samples, seed=seed))
     with torch.no_grad():
-        ll = torch.cat([model.log_likelihood(p, x_t, y_t) for p in _chunks(flat, c * d)])
+        # the posterior's own predictive function (Laplace's linearised network, ...), not the raw network
+        ll = torch.cat([model.likelihood.distribution(posterior.function(p, x_t), p).log_prob(y_t)
+                        for p in _chunks(flat, c * d)])
     _check_log_lik_shape(ll, c * d, x_t.shape[0])
     return ll.double().cpu().numpy().reshape(c, d, -1)
 
@@ -337,7 +339,7 @@ def to_inference_data(
     fs, lls, reps = [], [], []
     with torch.no_grad():
         for p in _chunks(flat, c * d):
-            f = model.network(p, x_t)
+            f = posterior.function(p, x_t)  # the posterior's own predictive function
             lik = model.likelihood.distribution(f, p)
             fs.append(f)
             lls.append(lik.log_prob(y_t))

@@ -44,13 +44,16 @@ register_svi_method(
 # (docs/methods/bbvi.md).  Defaults are the best measured at matched gradient budgets
 # (comparisons/research/bbvi_budget.py): the leave-one-out baseline needs >= 2 particles, and at a fixed
 # number of gradient evaluations 4 particles x more steps beat 16 particles x fewer steps.
+# The estimator runs on its trace-free fast path, equal in value and gradient to Pyro's
+# TraceGraph_ELBO on the same draws (tests/test_bbvi.py) at ~1/10 of its cost (issue 38,
+# docs/benchmarks.md); elbo="trace_graph" keeps Pyro's path, and is what baseline="neural" needs.
 register_svi_method(
     "bbvi",
     ScoreFunction,
     {"init_scale": 1e-2, "init_loc": "linear", "baseline": "leave_one_out", "baseline_beta": 0.9},
     summary="Black-box VI: mean-field Gaussian, score-function gradients, leave-one-out baselines "
             "(Ranganath et al. 2014; Kool et al. 2019)",
-    loop_defaults={"elbo": "trace_graph", "kl": "monte_carlo", "num_particles": 4},
+    loop_defaults={"elbo": "direct_score_function", "kl": "monte_carlo", "num_particles": 4},
 )
 
 # Molchanov et al. 2017's recipe: Adam 1e-3 with linear decay (docs/methods/variational_dropout.md).

@@ -90,7 +90,12 @@ class MemberTraining:
 
 
 class _MemberBatches:
-    """Shuffled epochs of minibatch indices, one independent order per member, ``[K, B]``."""
+    """Shuffled epochs of minibatch indices, one independent order per member, ``[K, B]``.
+
+    Every epoch visits every point once: its last batch holds the ``N mod B`` points left
+    (``[K, N mod B]``, the likelihood scaled by ``N / (N mod B)``), as ``torch.utils.data.DataLoader``
+    does by default.  Dropping that remainder instead cost 0.05 nats of test LL per point on boston
+    against independent torch members (issue 38, docs/methods/ensemble.md)."""
 
     def __init__(self, num_members: int, num_data: int, batch_size: int, device: torch.device) -> None:
         self.k, self.n, self.b, self.device = num_members, num_data, batch_size, device
@@ -100,7 +105,7 @@ class _MemberBatches:
     def next(self) -> torch.Tensor | None:
         if self.b >= self.n:
             return None
-        if self._pos + self.b > self._perm.shape[1]:
+        if self._pos >= self._perm.shape[1]:
             # K independent permutations (global torch RNG, like the SVI loop's batches)
             self._perm = torch.rand(self.k, self.n, device=self.device).argsort(1)
             self._pos = 0

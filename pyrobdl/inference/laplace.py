@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 from ..flat import FlatLogJoint
-from ..posterior import Cost, Posterior, Prediction, predictive_from_draws
+from ..posterior import Cost, Posterior
 from .ensemble import LOOP_OPTIONS, _check_options as _check_ensemble_options, init_members, loop_settings, train_members
 from .registry import Method, register_method
 from .svi import _peak_memory
@@ -167,6 +167,10 @@ class _Curvature:
         jac = torch.func.jacrev(self._f)(self.theta, xb)  # [B, O, P]
         if columns is not None:
             jac = jac[..., columns]
+        return self._lambda_root(jac, xb)
+
+    def _lambda_root(self, jac: torch.Tensor, xb: torch.Tensor) -> torch.Tensor:
+        r"""``jac`` ``[B, O, m]`` times the square root of the output curvature :math:`\Lambda_n`."""
         if self.task == "regression":
             return jac * math.sqrt(self.tau)
         # categorical: Lambda = diag(p) - p p^T = L L^T with L^T = diag(sqrt p) - sqrt(p) p^T
@@ -188,30 +192,62 @@ class _Curvature:
             total -= torch.func.jacrev(torch.func.jacrev(loglik))(self.theta, xb, yb)
         return total
 
-    def layer_inputs(self, xb: torch.Tensor) -> list[torch.Tensor]:
-        """Each layer's input with a column of ones, ``[B, in_l + 1]``."""
+    def _forward(self, xb: torch.Tensor, offsets: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The network at the MAP with ``offsets[i]`` ``[out_i]`` added to layer i's pre-activations:
+        the output ``[B, O]`` and each layer's input, with a column of ones when the model has biases."""
         params = self.layout.unpack(self.theta)
-        h, out = xb, []
+        h, inputs = xb, []
         last = len(self.model.hidden)
         for i in range(last + 1):
-            out.append(torch.cat([h, h.new_ones(h.shape[0], 1)], 1))
-            h = h @ params[f"layers.{i}.weight"].t() + params[f"layers.{i}.bias"]
+            bias = params.get(f"layers.{i}.bias")
+            inputs.append(h if bias is None else torch.cat([h, h.new_ones(h.shape[0], 1)], 1))
+            h = h @ params[f"layers.{i}.weight"].t()
+            if bias is not None:
+                h = h + bias
+            if offsets is not None:
+                h = h + offsets[i]
             if i < last:
                 h = torch.relu(h) if self.model.activation == "relu" else torch.tanh(h)
-        return out
+        return h, inputs
+
+    def layer_inputs(self, xb: torch.Tensor) -> list[torch.Tensor]:
+        """Each layer's input ``[B, in_l]``, with a column of ones ``[B, in_l + 1]`` when the model
+        has biases."""
+        return self._forward(xb)[1]
+
+    def preactivation_ggn_sqrt(self, xb: torch.Tensor) -> torch.Tensor:
+        r"""GGN square roots in every layer's pre-activations, ``[B, O, sum_l out_l]``: the
+        Jacobian of :math:`f(x_n)` in an offset added to layer l's pre-activations (shared by the
+        batch, so datum n's row is its own pre-activation Jacobian), times :math:`\Lambda_n^{1/2}`.
+        The same numbers as the bias columns of :meth:`ggn_sqrt`, with or without biases."""
+        widths = [*self.model.hidden, self.model.out_features]
+        zero = self.theta.new_zeros(sum(widths))
+
+        def f(eps: torch.Tensor) -> torch.Tensor:
+            return self._forward(xb, list(torch.split(eps, widths)))[0]
+
+        return self._lambda_root(torch.func.jacrev(f)(zero), xb)
+
+
+def _layer_sites(layout: Any, i: int) -> tuple[str, ...]:
+    """Layer i's sites present in the layout: its weight, and its bias unless the model has none."""
+    return tuple(f"layers.{i}.{k}" for k in ("weight", "bias") if f"layers.{i}.{k}" in layout)
 
 
 def _weight_index(layout: Any, layers: range) -> torch.Tensor:
-    idx = [torch.arange(layout[f"layers.{i}.{k}"].start, layout[f"layers.{i}.{k}"].stop)
-           for i in layers for k in ("weight", "bias")]
+    idx = [torch.arange(layout[name].start, layout[name].stop) for i in layers for name in _layer_sites(layout, i)]
     return torch.cat(idx)
 
 
 def _kron_index(layout: Any, i: int) -> torch.Tensor:
-    """Flat coordinates of layer ``i`` in the row-major order of ``[W | b]`` (``[out, in+1]``)."""
-    w, b = layout[f"layers.{i}.weight"], layout[f"layers.{i}.bias"]
+    """Flat coordinates of layer ``i`` in the row-major order of ``[W | b]`` (``[out, in+1]``), or
+    of ``W`` (``[out, in]``) for a model without biases."""
+    w = layout[f"layers.{i}.weight"]
     out, inp = w.shape
     grid = torch.arange(w.start, w.stop).view(out, inp)
+    if f"layers.{i}.bias" not in layout:
+        return grid.reshape(-1)
+    b = layout[f"layers.{i}.bias"]
     return torch.cat([grid, torch.arange(b.start, b.stop).view(out, 1)], 1).reshape(-1)
 
 
@@ -251,16 +287,13 @@ def _blocks(model: Any, lj: FlatLogJoint, theta: torch.Tensor, options: Mapping[
         h = sum(torch.einsum("nop,noq->pq", m, m) for m in (cur.ggn_sqrt(xb, idx) for xb, _ in cur.chunks()))
         pieces.append((idx, h))
     else:  # kron: one Jacobian pass for every layer's two factors
-        cols = [torch.arange(layout[f"layers.{i}.bias"].start, layout[f"layers.{i}.bias"].stop) for i in range(num_layers)]
+        widths = [*model.hidden, model.out_features]
         g: list[Any] = [0.0] * num_layers
         a: list[Any] = [0.0] * num_layers
         for xb, _ in cur.chunks():
-            m = cur.ggn_sqrt(xb, torch.cat(cols))  # GGN roots in every layer's pre-activations
+            m = cur.preactivation_ggn_sqrt(xb)  # GGN roots in every layer's pre-activations
             inputs = cur.layer_inputs(xb)
-            start = 0
-            for i in range(num_layers):
-                mi = m[..., start : start + cols[i].numel()]
-                start += cols[i].numel()
+            for i, mi in enumerate(torch.split(m, widths, -1)):
                 g[i] = g[i] + torch.einsum("noi,noj->ij", mi, mi)
                 a[i] = a[i] + inputs[i].t() @ inputs[i]
         kron_blocks = []
@@ -432,37 +465,27 @@ class LaplacePosterior(Posterior):
         theta = self.mean.double() + self._offsets(num_samples)
         return self.layout.unpack(theta.to(self.mean.dtype))
 
-    def predict(self, x: Any, num_samples: int = 200, *, seed: int | None = None) -> Prediction:
-        """Posterior predictive; with ``predictive="linearized"`` the network is replaced by its
-        first-order expansion at the MAP, :math:`f_*(x) + J_*(x)(\theta - \theta_*)` (Immer et al.
-        2021), evaluated at the same weight draws.  See :meth:`Posterior.predict`."""
+    def function(self, draws: Mapping[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        r"""The network at the draws (``predictive="sample"``) or, with ``predictive="linearized"``,
+        its first-order expansion at the MAP, :math:`f_*(x) + J_*(x)(\theta - \theta_*)` (Immer et
+        al. 2021), at the same draws.  :meth:`predict`, the ArviZ export, the training-data
+        PSIS-LOO and the report's calibration curve all go through it; see
+        :meth:`Posterior.function`."""
         if self.predictive == "sample":
-            return super().predict(x, num_samples, seed=seed)
-        from .._validation import check_inputs
+            return self.model.network(draws, x)
+        mean64 = self.mean.double()
+        delta = self.layout.pack(draws).double() - mean64  # [S, P]
 
-        x = check_inputs(self.model, x).to(self.model.device)
-        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-            raise ValueError(f"num_samples must be an integer >= 1, got {num_samples!r}")
-        if seed is not None:
-            import pyro
+        def f(t: torch.Tensor, xb: torch.Tensor) -> torch.Tensor:
+            return self.model.network(self.layout.unpack(t), xb)
 
-            pyro.set_rng_seed(seed)
+        parts = []
         with torch.no_grad():
-            delta = self._offsets(num_samples)
-            theta = self.mean.double() + delta
-            draws = self.layout.unpack(theta.to(self.mean.dtype))
-            mean64 = self.mean.double()
-
-            def f(t: torch.Tensor, xb: torch.Tensor) -> torch.Tensor:
-                return self.model.network(self.layout.unpack(t), xb)
-
-            parts = []
             for i in range(0, x.shape[0], self._chunk):
                 xb = x[i : i + self._chunk].double()
                 jac = torch.func.jacrev(f)(mean64, xb)  # [B, O, P]
                 parts.append(f(mean64, xb) + torch.einsum("bop,sp->sbo", jac, delta))
-            fx = torch.cat(parts, 1).to(self.mean.dtype)
-            return predictive_from_draws(self.model, draws, x, f=fx)
+        return torch.cat(parts, 1).to(self.mean.dtype)
 
 
 def _check_options(model: Any, options: Mapping[str, Any]) -> None:

@@ -1,0 +1,92 @@
+"""Have the optimisation-based methods of a suite converged at their budgets?  (issue 38)
+
+For every optimisation-based method of ``comparisons/quickstart.toml`` (the gap problem) or
+``comparisons/uci_fast.toml`` (one UCI split), fit at the suite's budget times each factor of
+``--factors`` (the whole schedule stretched, as a longer budget in the TOML would run) and print
+the objective at the end of training (mean of the last 10% of the recorded history: ELBO, or
+log joint for MAP/ensemble/Laplace's MAP; minibatch estimates scaled to the full data), the
+report's "still improving" share (``pyrobdl.report.verdicts.still_improving``), the test
+log-likelihood (original scale) and the CPU seconds.  A budget has converged when a longer one
+gains nothing beyond the spread between seeds.
+
+    nice -n 10 python comparisons/vi_budgets.py --suite quickstart --factors 1 3 --seeds 0 1
+    nice -n 10 python comparisons/vi_budgets.py --suite uci_fast --dataset boston --factors 1 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+import tomllib
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import pyrobdl
+from pyrobdl.datasets import gap_regression, load_uci
+from pyrobdl.diagnostics import evaluate
+from pyrobdl.report.verdicts import still_improving
+
+ROOT = Path(__file__).resolve().parent
+OPTIMISED = ("map", "mean_field", "bbvi", "dropout", "gaussian_dropout", "variational_dropout", "ensemble", "laplace")
+
+
+def problem(suite: str, dataset: str):
+    if suite == "quickstart":
+        data = gap_regression(80, 200, noise_sd=0.1, seed=0)
+
+        def model(prior=None):
+            return pyrobdl.BayesianMLP(1, (10,), 1, activation="tanh", prior=prior or pyrobdl.priors.Gaussian(1.0),
+                                       likelihood=pyrobdl.likelihoods.Gaussian(100.0))
+        return data, model
+    data = load_uci(dataset, 0)
+    hidden = (100,) if dataset == "protein" else (50,)
+
+    def model(prior=None):
+        return pyrobdl.BayesianMLP(data.x_train.shape[1], hidden, 1, prior=prior or pyrobdl.priors.Gaussian(1.0),
+                                   likelihood=pyrobdl.likelihoods.GaussianLearnedPrecision(1.0, 0.01))
+    return data, model
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--suite", choices=("quickstart", "uci_fast"), default="quickstart")
+    p.add_argument("--dataset", default="boston", help="uci_fast: the UCI dataset (split 0)")
+    p.add_argument("--methods", nargs="*", default=None)
+    p.add_argument("--factors", nargs="*", type=float, default=[1.0, 3.0])
+    p.add_argument("--seeds", nargs="*", type=int, default=[0])
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore", UserWarning)
+    cfg = tomllib.loads((ROOT / f"{a.suite}.toml").read_text())
+    data, make_model = problem(a.suite, a.dataset)
+    methods = [m for m in (a.methods or OPTIMISED) if m in cfg["methods"]]
+    if a.suite == "uci_fast":
+        methods = [m for m in methods if m in cfg["datasets"].get(a.dataset, {}).get("methods", methods)]
+    print(f"{'method':<20} {'steps':>6} {'seed':>4} {'objective':>10} {'improving':>9} {'test LL':>8} {'CPU s':>6}")
+    for m in methods:
+        settings = {k: v for k, v in cfg["methods"][m].items() if k not in ("published", "gradient_variance", "model")}
+        prior = pyrobdl.priors.LogUniform() if m == "variational_dropout" else None
+        for factor in a.factors:
+            steps = int(round(settings["num_steps"] * factor))
+            for seed in a.seeds:
+                c0 = time.process_time()
+                post = pyrobdl.fit(make_model(prior), data.x_train, data.y_train, m, seed=seed, progress=False,
+                                   **{**settings, "num_steps": steps})
+                cpu = time.process_time() - c0
+                h = np.asarray(post.history, dtype=float)
+                tail = float(np.mean(h[-max(len(h) // 10, 1):]))
+                share = still_improving(h)
+                t = evaluate(post, data.x_test, data.y_test, num_samples=200, seed=0, y_mean=data.y_mean,
+                             y_std=data.y_std)
+                print(f"{m:<20} {steps:>6} {seed:>4} {tail:>10.2f} {share if share is not None else float('nan'):>9.3f} "
+                      f"{t['test_ll']:>8.3f} {cpu:>6.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    if "PYROBDL_DATA_DIR" not in os.environ:
+        os.environ["PYROBDL_DATA_DIR"] = str(ROOT.parent.parent / "shared" / "datasets")
+    main()
