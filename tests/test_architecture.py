@@ -34,8 +34,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("model", ("pyrobdl.priors", "pyrobdl.likelihoods", "pyrobdl.model", "pyrobdl._saved")),
     ("flat log joint", ("pyrobdl.flat",)),
     ("diagnostics core", tuple(f"pyrobdl.diagnostics.{m}" for m in (
-        "rhat", "rank_diagnostics", "chain_outliers", "energy", "inputs", "metrics", "certification",
-        "arviz_adapter"))),
+        "rhat", "rank_diagnostics", "chain_outliers", "energy", "inputs", "metrics", "certificate",
+        "certification", "arviz_adapter"))),
     ("posterior contract", ("pyrobdl.posterior",)),
     ("guides", ("pyrobdl.guides",)),
     ("inference", ("pyrobdl.inference",)),

@@ -407,7 +407,7 @@ def test_layout_without_likelihood_latents():
 @pytest.fixture
 def no_layout(monkeypatch):
     """Fail the test if FlatLogJoint gets as far as building its layout (the first real work)."""
-    import pyrobdl.flat as flat
+    import pyrobdl.flat.logjoint as flat  # where FlatLogJoint looks FlatLayout up
 
     monkeypatch.setattr(flat, "FlatLayout", lambda *a, **k: pytest.fail("work started before the refusal"))
 
