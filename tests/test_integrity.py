@@ -341,12 +341,12 @@ def test_write_failure_stops_the_run_with_exit_4_naming_the_file(tmp_path, monke
 
 
 def test_a_failed_netcdf_serialisation_fails_the_cell(tmp_path, monkeypatch):
-    from pyrobdl.compare import runner
+    from pyrobdl.compare import compute
 
     def broken(idata):
         raise ValueError("h5netcdf: cannot encode")
 
-    monkeypatch.setattr(runner, "netcdf_bytes", broken)
+    monkeypatch.setattr(compute, "netcdf_bytes", broken)
     out = tmp_path / "out"
     summary = run(write_suite(tmp_path, SUITE.replace("inference_data = false", "inference_data = true")), out)
     assert summary.failed == ("gap__map__split-0__seed-0",)

@@ -52,19 +52,32 @@ whole, not merged.
 
 from __future__ import annotations
 
-import inspect
 import math
-import re
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from .. import likelihoods as _likelihoods
-from .. import priors as _priors
 from ..inference import get_method, methods
 from ..model import ACTIVATIONS
 from .published import PUBLISHED
+from .schema import (
+    DATASET_RESERVED,
+    LABEL_PATTERN,
+    METHOD_RESERVED,
+    MODEL_KEYS,
+    PRECISION_UNITS,
+    REFERENCE_REPLICATES,
+    RESOURCE_KEYS,
+    SUITE_KEYS,
+    TOP_KEYS,
+    ConfigError,
+    DatasetEntry,
+    MethodEntry,
+    Suite,
+    _kwargs_of,
+    label_problem,
+    model_components,
+)
 from .sources import SOURCES
 
 if sys.version_info >= (3, 11):
@@ -85,36 +98,6 @@ __all__ = [
     "tomllib",
 ]
 
-SUITE_KEYS = (
-    "data_dir", "description", "device", "fit_diagnostics", "inference_data", "name", "num_eval_samples",
-    "reference", "reference_replicates", "seeds",
-)
-TOP_KEYS = ("datasets", "gradient_variance", "methods", "model", "suite")
-MODEL_KEYS = ("activation", "hidden", "likelihood", "prior")
-METHOD_RESERVED = ("gradient_variance", "method", "model", "published", "resources")
-#: Keys of a method's ``resources`` table (per cell, for distributed executors).
-RESOURCE_KEYS = ("cpu", "gpu")
-DATASET_RESERVED = ("methods", "model", "overrides", "reference", "reference_replicates", "source", "splits")
-#: Runs of a dataset's reference a suite may ask for: 1, or 2 (a second, independent run whose
-#: disagreement with the first is the reference's resolution, ``pyrobdl.diagnostics.reference_resolution``).
-REFERENCE_REPLICATES = (1, 2)
-PRECISION_UNITS = ("original", "standardized")
-#: Dataset and method labels: ASCII letters and digits in runs joined by single '_' or '-'
-#: (no '__', no leading or trailing separator, no whitespace), at most :data:`LABEL_MAX` characters.
-#: Cell ids join labels with '__' (:func:`pyrobdl.compare.grid.cell_id`), so this grammar makes
-#: them collision-free; labels must also differ in more than letter case (case-insensitive disks).
-LABEL_PATTERN = re.compile(r"[A-Za-z0-9]+(?:[_-][A-Za-z0-9]+)*")
-LABEL_MAX = 64
-LABEL_RULE = (f"labels are letters and digits, optionally joined by single '_' or '-' (no '__', "
-              f"no leading or trailing '_' or '-'), at most {LABEL_MAX} characters")
-
-
-def label_problem(label: Any) -> str | None:
-    """Why ``label`` is not a valid dataset or method label, or None (see :data:`LABEL_PATTERN`)."""
-    if not isinstance(label, str) or len(label) > LABEL_MAX or not LABEL_PATTERN.fullmatch(label):
-        return f"invalid label {str(label)[:80]!r}: {LABEL_RULE}"
-    return None
-
 
 def _case_clashes(errors: "_Errors", where: str, labels: Any) -> None:
     seen: dict[str, str] = {}
@@ -124,173 +107,6 @@ def _case_clashes(errors: "_Errors", where: str, labels: Any) -> None:
             errors.add(f"{where}.{label}", f"differs from {where}.{seen[key]} only in letter case; "
                        "labels name folders, which some file systems do not tell apart")
         seen.setdefault(key, str(label))
-
-
-class ConfigError(ValueError):
-    """An invalid suite: every problem found, one per line, each naming the file and the key."""
-
-
-def _snake(name: str) -> str:
-    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
-
-
-def _components(module: Any, base: type) -> dict[str, type]:
-    """Concrete classes of ``module.__all__`` deriving from ``base``, by snake-case name."""
-    found = {}
-    for name in getattr(module, "__all__", ()):
-        obj = getattr(module, name, None)
-        if isinstance(obj, type) and issubclass(obj, base) and obj is not base:
-            found[_snake(name)] = obj
-    return found
-
-
-def model_components() -> dict[str, dict[str, type]]:
-    """Prior and likelihood classes a suite can name, by ``kind``.
-
-    Every concrete ``Prior`` of :mod:`pyrobdl.priors` and ``Likelihood`` of
-    :mod:`pyrobdl.likelihoods` is available under its class name in snake case
-    (``Gaussian`` -> ``"gaussian"``, ``GaussianLearnedPrecision`` -> ``"gaussian_learned_precision"``),
-    so a new prior is usable from a suite the day it is exported.
-    """
-    return {
-        "prior": _components(_priors, _priors.Prior),
-        "likelihood": _components(_likelihoods, _likelihoods.Likelihood),
-    }
-
-
-def _kwargs_of(cls: type) -> list[str]:
-    return [
-        p.name
-        for p in inspect.signature(cls).parameters.values()
-        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-    ]
-
-
-@dataclass(frozen=True)
-class MethodEntry:
-    """One ``[methods.<label>]`` table.
-
-    Attributes
-    ----------
-    label : str
-        The table's name; identifies the entry in results and reports.
-    method : str
-        Registry name of the inference method.
-    options : Mapping[str, Any]
-        The options given in the file (defaults are filled in per cell).
-    model : Mapping[str, Any]
-        Model overrides for this method.
-    published : tuple of str
-        Keys of published rows (:data:`pyrobdl.compare.published.PUBLISHED`) to compare with.
-    gradient_variance : bool
-        Whether the gradient-variance diagnostic runs after the fit.
-    resources : Mapping[str, float]
-        What one cell of this method needs from a distributed executor: ``cpu`` (cores,
-        default 1) and ``gpu`` (a device or a fraction of one, default 0).  Not part of a cell's
-        configuration hash: changing it does not invalidate stored results.
-    """
-
-    label: str
-    method: str
-    options: Mapping[str, Any]
-    model: Mapping[str, Any] = field(default_factory=dict)
-    published: tuple[str, ...] = ()
-    gradient_variance: bool = False
-    resources: Mapping[str, float] = field(default_factory=lambda: {"cpu": 1.0, "gpu": 0.0})
-
-
-@dataclass(frozen=True)
-class DatasetEntry:
-    """One ``[datasets.<label>]`` table.
-
-    Attributes
-    ----------
-    label : str
-        The table's name.
-    source : str
-        Key of :data:`pyrobdl.compare.sources.SOURCES`.
-    options : Mapping[str, Any]
-        The source's options, defaults filled in.
-    splits : tuple of int or "all"
-        Split indices (for synthetic sources: data seeds).
-    methods : tuple of str
-        Method labels run on this dataset.
-    reference : str or None
-        Method label whose fit is the reference posterior, or None.
-    model : Mapping[str, Any]
-        Model overrides for this dataset.
-    overrides : Mapping[str, Mapping[str, Any]]
-        Method label -> options that replace the method's options on this dataset (and an
-        optional ``model`` table of model overrides for that method on this dataset).
-    reference_replicates : {1, 2}
-        Runs of the reference: 2 adds a second, independent run (another seed), from which every
-        other cell's evaluation gets the reference's resolution.
-    """
-
-    label: str
-    source: str
-    options: Mapping[str, Any]
-    splits: tuple[int, ...] | str
-    methods: tuple[str, ...]
-    reference: str | None
-    model: Mapping[str, Any] = field(default_factory=dict)
-    overrides: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
-    reference_replicates: int = 1
-
-
-@dataclass(frozen=True)
-class Suite:
-    """A validated suite.
-
-    Attributes
-    ----------
-    path : pathlib.Path
-        The TOML file (relative paths in it are resolved against its folder).
-    name, description : str
-        From ``[suite]``.
-    seeds : tuple of int
-        Fit seeds.
-    device : str or None
-        Default device.
-    num_eval_samples : int
-        Posterior draws for metrics and predictions.
-    inference_data : bool
-        Write ArviZ netCDF per cell.
-    fit_diagnostics : bool
-        Score each fit on its training data too (:func:`pyrobdl.diagnostics.fit_diagnostics`).
-    data_dir : str or None
-        Datasets root from the file, already resolved against the file's folder.
-    model : Mapping
-        The default model spec.
-    methods : tuple of MethodEntry
-    datasets : tuple of DatasetEntry
-    gradient_variance : Mapping or None
-        Keyword arguments of the gradient-variance diagnostic.
-    raw : Mapping
-        The parsed TOML, kept for the results folder.
-    """
-
-    path: Path
-    name: str
-    description: str
-    seeds: tuple[int, ...]
-    device: str | None
-    num_eval_samples: int
-    inference_data: bool
-    fit_diagnostics: bool
-    data_dir: str | None
-    model: Mapping[str, Any]
-    methods: tuple[MethodEntry, ...]
-    datasets: tuple[DatasetEntry, ...]
-    gradient_variance: Mapping[str, Any] | None
-    raw: Mapping[str, Any] = field(default_factory=dict, repr=False)
-
-    def method(self, label: str) -> MethodEntry:
-        """The method entry called ``label``."""
-        for m in self.methods:
-            if m.label == label:
-                return m
-        raise KeyError(label)
 
 
 class _Errors:
@@ -455,6 +271,46 @@ def _replicates(errors: _Errors, where: str, value: Any) -> int:
     return 1
 
 
+def _parse_splits(errors: _Errors, where: str, table: Mapping[str, Any], fixed_splits: bool) -> tuple[int, ...] | str:
+    """A dataset table's ``splits``: a tuple of split indices, or ``"all"`` (a source with fixed splits)."""
+    splits: tuple[int, ...] | str = (0,)
+    if "splits" in table:
+        s = table["splits"]
+        if s == "all":
+            splits = "all"
+        elif isinstance(s, list) and s and all(_is_int(v) and 0 <= v < 2**32 for v in s):
+            splits = tuple(s)
+        else:
+            errors.add(f"{where}.splits", f'must be a non-empty list of integers in 0..2**32-1 or "all", got {s!r}')
+    if splits == "all" and not fixed_splits:
+        errors.add(f"{where}.splits", f'"all" needs a source with fixed splits; {table.get("source")!r} has none')
+    return splits
+
+
+def _parse_overrides(errors: _Errors, where: str, overrides: Any, ds_methods: Any,
+                     entries_by_label: Mapping[str, MethodEntry]) -> dict[str, Any]:
+    """A dataset table's ``overrides``: method label -> options (and model overrides), each checked."""
+    if not isinstance(overrides, dict):
+        errors.add(f"{where}.overrides", f"must be a table of method label -> options, got {overrides!r}")
+        overrides = {}
+    for m, opts in overrides.items():
+        w = f"{where}.overrides.{m}"
+        if m not in ds_methods:
+            errors.add(w, f"unknown method label; valid: {list(ds_methods)}")
+        elif not isinstance(opts, dict):
+            errors.add(w, f"must be a table of options, got {opts!r}")
+        elif m in entries_by_label:
+            meth = get_method(entries_by_label[m].method)
+            errors.unknown(w, opts, [*meth.options, "model"])
+            for key, value in opts.items():
+                why = _check_value_type(meth.options[key], value) if key in meth.options else None
+                if why:
+                    errors.add(f"{w}.{key}", why)
+            if "model" in opts:
+                _check_model(errors, f"{w}.model", opts["model"])
+    return overrides
+
+
 def _parse_datasets(
     errors: _Errors, raw: Any, labels: list[str], default_reference: str | None, base: Path,
     entries_by_label: Mapping[str, MethodEntry], default_replicates: int = 1,
@@ -484,17 +340,7 @@ def _parse_datasets(
             options["name"] = label
         for key, why in source.check(options, base):
             errors.add(f"{where}.{key}", why)
-        splits: tuple[int, ...] | str = (0,)
-        if "splits" in table:
-            s = table["splits"]
-            if s == "all":
-                splits = "all"
-            elif isinstance(s, list) and s and all(_is_int(v) and 0 <= v < 2**32 for v in s):
-                splits = tuple(s)
-            else:
-                errors.add(f"{where}.splits", f'must be a non-empty list of integers in 0..2**32-1 or "all", got {s!r}')
-        if splits == "all" and source.num_splits is None:
-            errors.add(f"{where}.splits", f'"all" needs a source with fixed splits; {source_name!r} has none')
+        splits = _parse_splits(errors, where, table, source.num_splits is not None)
         ds_methods = _str_list(errors, f"{where}.methods", table.get("methods", labels))
         for m in ds_methods:
             if m not in labels:
@@ -514,25 +360,7 @@ def _parse_datasets(
                            "(reference = \"<method label>\" here or in [suite])")
         model = table.get("model", {})
         _check_model(errors, f"{where}.model", model)
-        overrides = table.get("overrides", {})
-        if not isinstance(overrides, dict):
-            errors.add(f"{where}.overrides", f"must be a table of method label -> options, got {overrides!r}")
-            overrides = {}
-        for m, opts in overrides.items():
-            w = f"{where}.overrides.{m}"
-            if m not in ds_methods:
-                errors.add(w, f"unknown method label; valid: {list(ds_methods)}")
-            elif not isinstance(opts, dict):
-                errors.add(w, f"must be a table of options, got {opts!r}")
-            elif m in entries_by_label:
-                meth = get_method(entries_by_label[m].method)
-                errors.unknown(w, opts, [*meth.options, "model"])
-                for key, value in opts.items():
-                    why = _check_value_type(meth.options[key], value) if key in meth.options else None
-                    if why:
-                        errors.add(f"{w}.{key}", why)
-                if "model" in opts:
-                    _check_model(errors, f"{w}.model", opts["model"])
+        overrides = _parse_overrides(errors, where, table.get("overrides", {}), ds_methods, entries_by_label)
         entries.append(
             DatasetEntry(
                 label, source_name, options, splits, ds_methods, reference,
@@ -540,6 +368,45 @@ def _parse_datasets(
             )
         )
     return entries
+
+
+def _parse_suite_table(errors: _Errors, suite: Any) -> tuple[dict[str, Any], list[Any], Any]:
+    """The ``[suite]`` table checked: (the table, its seeds, its num_eval_samples)."""
+    if not isinstance(suite, dict):
+        errors.add("suite", "must be a table")
+        suite = {}
+    errors.unknown("suite", suite, SUITE_KEYS)
+    seeds = suite.get("seeds", [0])
+    if not isinstance(seeds, list) or not seeds or not all(_is_int(s) and 0 <= s < 2**32 for s in seeds):
+        errors.add("suite.seeds", f"must be a non-empty list of integers in 0..2**32-1, got {seeds!r}")
+        seeds = [0]
+    if len(set(seeds)) != len(seeds):
+        errors.add("suite.seeds", f"has duplicates: {seeds!r}")
+    nes = suite.get("num_eval_samples", 200)
+    if not _is_int(nes) or nes < 2:
+        errors.add("suite.num_eval_samples", f"must be an integer >= 2, got {nes!r}")
+    for key in ("name", "description", "device", "data_dir", "reference"):
+        if key in suite and not isinstance(suite[key], str):
+            errors.add(f"suite.{key}", f"must be a string, got {suite[key]!r}")
+    for key in ("inference_data", "fit_diagnostics"):
+        if not isinstance(suite.get(key, True), bool):
+            errors.add(f"suite.{key}", f"must be true or false, got {suite[key]!r}")
+    return suite, seeds, nes
+
+
+def _check_gradient_variance(errors: _Errors, gv: Any) -> None:
+    """The ``[gradient_variance]`` table: keyword arguments of :func:`pyrobdl.diagnostics.gradient_variance`."""
+    if not isinstance(gv, dict):
+        errors.add("gradient_variance", "must be a table of keyword arguments")
+    else:
+        from .. import diagnostics
+
+        fn = getattr(diagnostics, "gradient_variance", None)
+        if fn is None:
+            errors.add("gradient_variance", "this pyrobdl has no pyrobdl.diagnostics.gradient_variance")
+        else:
+            valid = [k for k in _kwargs_of(fn) if k not in ("model", "x", "y", "guide_params")]
+            errors.unknown("gradient_variance", gv, valid)
 
 
 def parse_suite(raw: Mapping[str, Any], path: str | Path = "<suite>") -> Suite:
@@ -566,26 +433,7 @@ def parse_suite(raw: Mapping[str, Any], path: str | Path = "<suite>") -> Suite:
     base = path.parent if path.suffix else Path.cwd()
     errors = _Errors(path)
     errors.unknown("", raw, TOP_KEYS)
-    suite = raw.get("suite", {})
-    if not isinstance(suite, dict):
-        errors.add("suite", "must be a table")
-        suite = {}
-    errors.unknown("suite", suite, SUITE_KEYS)
-    seeds = suite.get("seeds", [0])
-    if not isinstance(seeds, list) or not seeds or not all(_is_int(s) and 0 <= s < 2**32 for s in seeds):
-        errors.add("suite.seeds", f"must be a non-empty list of integers in 0..2**32-1, got {seeds!r}")
-        seeds = [0]
-    if len(set(seeds)) != len(seeds):
-        errors.add("suite.seeds", f"has duplicates: {seeds!r}")
-    nes = suite.get("num_eval_samples", 200)
-    if not _is_int(nes) or nes < 2:
-        errors.add("suite.num_eval_samples", f"must be an integer >= 2, got {nes!r}")
-    for key in ("name", "description", "device", "data_dir", "reference"):
-        if key in suite and not isinstance(suite[key], str):
-            errors.add(f"suite.{key}", f"must be a string, got {suite[key]!r}")
-    for key in ("inference_data", "fit_diagnostics"):
-        if not isinstance(suite.get(key, True), bool):
-            errors.add(f"suite.{key}", f"must be true or false, got {suite[key]!r}")
+    suite, seeds, nes = _parse_suite_table(errors, raw.get("suite", {}))
     model = raw.get("model", {})
     _check_model(errors, "model", model)
     method_entries = _parse_methods(errors, raw.get("methods"))
@@ -605,17 +453,7 @@ def parse_suite(raw: Mapping[str, Any], path: str | Path = "<suite>") -> Suite:
             _case_clashes(errors, where, raw[where])
     gv = raw.get("gradient_variance")
     if gv is not None:
-        if not isinstance(gv, dict):
-            errors.add("gradient_variance", "must be a table of keyword arguments")
-        else:
-            from .. import diagnostics
-
-            fn = getattr(diagnostics, "gradient_variance", None)
-            if fn is None:
-                errors.add("gradient_variance", "this pyrobdl has no pyrobdl.diagnostics.gradient_variance")
-            else:
-                valid = [k for k in _kwargs_of(fn) if k not in ("model", "x", "y", "guide_params")]
-                errors.unknown("gradient_variance", gv, valid)
+        _check_gradient_variance(errors, gv)
     errors.raise_if_any()
     data_dir = suite.get("data_dir") or None
     if data_dir is not None:
