@@ -305,7 +305,11 @@ def test_workers_end_within_seconds_when_the_driver_dies(tmp_path, sig):
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     driver = subprocess.Popen([sys.executable, "-m", "pyrobdl.cli", "compare", str(suite), "--out",
                                str(tmp_path / "o"), "--no-progress", "--workers", "2", "--threads", "1"],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              # a user's Ctrl-C: a shell's background job inherits SIGINT ignored (as
+                              # this test does under `bash .ci/run &`), and a driver that ignores SIGINT
+                              # rightly keeps its workers; give the driver the default disposition
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.time() + 400  # starting a worker (importing torch) took 48 s at load average 11
         workers: list[int] = []
