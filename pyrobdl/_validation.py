@@ -188,6 +188,25 @@ def check_option_values(method: str, defaults: Any, options: Any) -> None:
         _check_number(method, key, default, value)
 
 
+def check_counts(method: str, defaults: Any, options: Any) -> None:
+    """A count (an option named ``num_*`` or ``*_num_*`` whose default is an integer) cannot be
+    negative: refused when a suite is planned, before any cell runs (``fit`` leaves the range to
+    each method's own check and message).
+
+    Raises
+    ------
+    ValueError
+        A negative integer for a count, naming the method and the option.
+    """
+    for key, value in options.items():
+        default = defaults.get(key)
+        if not ("num_" in key and isinstance(default, int) and not isinstance(default, bool)):
+            continue
+        if isinstance(value, int) and not isinstance(value, bool) and value < 0:
+            raise ValueError(f"method {method!r}: option {key} is a count and must be >= 0 (default {default}), "
+                             f"got {value}")
+
+
 def _check_number(method: str, key: str, default: Any, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"method {method!r}: option {key} must be a number (default {default!r}), got "

@@ -418,6 +418,16 @@ def test_absurd_suite_sizes_are_refused_before_any_work(tmp_path, capsys, change
     assert not (tmp_path / "o").exists()
 
 
+def test_a_negative_count_in_a_suite_is_refused_before_any_work(tmp_path, capsys):
+    """The hostile pass's one "late" case: ``num_steps = -1`` in a suite was refused only when the
+    cell ran (exit 1); now at plan time, exit 2, naming the method and the option, nothing created."""
+    text = SUITE.replace("num_steps = 5", "num_steps = -1")
+    assert compare(str(write_suite(tmp_path, text)), "--out", str(tmp_path / "o")) == EXIT_CODES["usage"]
+    err = capsys.readouterr().err
+    assert "'map'" in err and "num_steps is a count and must be >= 0" in err and "got -1" in err
+    assert "Traceback" not in err and not (tmp_path / "o").exists()
+
+
 # ----------------------------------------------------------------------------- load_posterior
 
 @pytest.fixture

@@ -345,10 +345,11 @@ def matches(cell: Cell, only: Mapping[str, Iterable[str]]) -> bool:
 def _check_sizes(c: Cell, model: Any, data: Any, defaults: Any) -> None:
     """Sizes no machine here can hold, refused before work naming the option (issue 42): the
     network, the method's step/sample counts, and ``num_eval_samples`` draws of the test split."""
-    from .._validation import check_fit_sizes, check_memory, check_option_values
+    from .._validation import check_counts, check_fit_sizes, check_memory, check_option_values
 
     options = {**defaults, **c.spec["method"]["options"]}
     check_option_values(c.spec["method"]["name"], defaults, c.spec["method"]["options"])
+    check_counts(c.spec["method"]["name"], defaults, c.spec["method"]["options"])
     check_fit_sizes(model, options)
     s = int(c.spec["num_eval_samples"])
     params = sum((a + 1) * b for a, b in zip([model.in_features, *model.hidden], [*model.hidden, model.out_features]))
