@@ -33,10 +33,9 @@ import numpy as np
 import torch
 
 from ..flat import FlatLogJoint, _check_supported
-from ..guides.base import init_values, model_sites
 from ..posterior import Cost, Posterior
 from .registry import Method, register_method, require_proper_prior
-from .starts import check_spread, spread_starts
+from .starts import check_spread, init_members, spread_starts
 from .svi import LoopSettings, PackedAdam, _peak_memory, optimize
 
 __all__ = ["ENSEMBLE_OPTIONS", "EnsemblePosterior", "MemberTraining", "init_members", "run_ensemble", "train_members"]
@@ -112,32 +111,6 @@ class _MemberBatches:
         idx = self._perm[:, self._pos : self._pos + self.b]
         self._pos += self.b
         return idx
-
-
-def init_members(model: Any, lj: FlatLogJoint, num_members: int, init_loc: Any = "linear") -> torch.Tensor:
-    """K independent starting points from :func:`pyrobdl.guides.base.init_values`, packed in the
-    flat layout.
-
-    Parameters
-    ----------
-    model : pyrobdl.BayesianMLP
-        The model.
-    lj : FlatLogJoint
-        Its flat log joint (gives the layout, dtype and device).
-    num_members : int
-        K.
-    init_loc : str or dict, default "linear"
-        ``"linear"``: ``nn.Linear``'s uniform, other sites at their prior mean; ``"prior"``:
-        prior draws; see :func:`~pyrobdl.guides.base.init_values`.  Draws use the global torch RNG.
-
-    Returns
-    -------
-    torch.Tensor
-        ``[K, P]``.
-    """
-    sites = model_sites(model)
-    rows = [lj.layout.pack(init_values(sites, init_loc)) for _ in range(num_members)]
-    return torch.stack(rows).to(dtype=lj.dtype, device=lj.device)
 
 
 def train_members(

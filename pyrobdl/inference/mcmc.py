@@ -172,7 +172,7 @@ def run_mcmc(
     options : Mapping
         Every option of the method (see ``NUTS_OPTIONS``/``HMC_OPTIONS``), plus ``seed``.
     progress : bool
-        Show Pyro's progress bar for each chain.
+        Show one progress bar per chain, named by method and chain (``mcmc_kernels._ChainBar``).
     method : {"nuts", "hmc"}
         The kernel.
 

@@ -29,7 +29,7 @@ import torch
 from ..flat import FlatLogJoint
 from ..guides.base import init_values, model_sites
 
-__all__ = ["INIT_REPLACES", "check_spread", "spread_starts"]
+__all__ = ["INIT_REPLACES", "check_spread", "init_members", "spread_starts"]
 
 #: Options a given ``init`` replaces; ``fit`` refuses them beside it.
 INIT_REPLACES = ("init_loc", "init_strategy")
@@ -42,6 +42,32 @@ def check_spread(value: Any, allow_none: bool) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         also = " or None" if allow_none else ""
         raise ValueError(f"init_spread must be a finite number >= 0{also}, got {value!r}")
+
+
+def init_members(model: Any, lj: FlatLogJoint, num_members: int, init_loc: Any = "linear") -> torch.Tensor:
+    """K independent starting points from :func:`pyrobdl.guides.base.init_values`, packed in the
+    flat layout.
+
+    Parameters
+    ----------
+    model : pyrobdl.BayesianMLP
+        The model.
+    lj : FlatLogJoint
+        Its flat log joint (gives the layout, dtype and device).
+    num_members : int
+        K.
+    init_loc : str or dict, default "linear"
+        ``"linear"``: ``nn.Linear``'s uniform, other sites at their prior mean; ``"prior"``:
+        prior draws; see :func:`~pyrobdl.guides.base.init_values`.  Draws use the global torch RNG.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[K, P]``.
+    """
+    sites = model_sites(model)
+    rows = [lj.layout.pack(init_values(sites, init_loc)) for _ in range(num_members)]
+    return torch.stack(rows).to(dtype=lj.dtype, device=lj.device)
 
 
 def spread_starts(model: Any, lj: FlatLogJoint, init: Mapping[str, torch.Tensor], num: int, spread: float | None,
@@ -78,8 +104,8 @@ def spread_starts(model: Any, lj: FlatLogJoint, init: Mapping[str, torch.Tensor]
     rows = base.unsqueeze(0).repeat(num, 1)
     first = 1 if keep_first else 0
     if spread is None:
-        for i in range(first, num):
-            rows[i] = lj.layout.pack(init_values(sites, "linear")).to(dtype=lj.dtype, device=lj.device)
+        if num > first:
+            rows[first:] = init_members(model, lj, num - first, "linear")
     elif num > first:
         noise = torch.randn(num - first, lj.size, dtype=lj.dtype, device=lj.device, generator=generator)
         rows[first:] += spread * noise
