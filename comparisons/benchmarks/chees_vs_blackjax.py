@@ -32,7 +32,7 @@ second and per chain-gradient; and **one certification for all three**: ``pyrobd
 with split R-hat (the chains start independently), divergences and pooled E-BFMI from each sampler's
 own energies (BlackJAX: the energy of the state each transition kept).
 
-Usage (the benchmark extra: ``pip install -e '.[bench]'`` plus ``pip install blackjax``)::
+Usage (the benchmark extra, ``pip install -e '.[bench]'``: JAX, NumPyro, BlackJAX)::
 
     python comparisons/benchmarks/chees_vs_blackjax.py --sampler blackjax --chains 512 --device cuda \\
         --warmup 150 --samples 100 --out samplers.jsonl
@@ -347,7 +347,13 @@ def main(argv=None) -> int:
         p.error(f"--device {args.device}: CUDA is not available")
     torch.set_num_threads(1)
     if args.sampler != "chees":
-        import jax
+        try:
+            import blackjax  # noqa: F401
+            import jax
+            import numpyro  # noqa: F401
+        except ImportError as e:
+            print(f"{args.sampler} not run: {e} (the benchmark extra: pip install -e '.[bench]')", flush=True)
+            return 6
 
         platform = jax.devices()[0].platform
         if args.device.startswith("cuda") and platform != "gpu":

@@ -24,7 +24,7 @@
 #   mkdir -p .whl/data/uci && cp -r ../shared/datasets/uci/wine-quality-red .whl/data/uci/   # optional (D)
 # and carry .whl.  Then:  OUT=some/folder BUDGET_S=540 bash comparisons/benchmarks/gpu_session.sh
 # (timeout_s ~30 s above BUDGET_S).  `bash comparisons/benchmarks/gpu_session.sh --smoke` runs every
-# phase on the CPU with tiny sizes (tests/test_gpu_session.py does, marked slow).
+# phase on the CPU with tiny sizes and one K (tests/test_gpu_session.py does, marked slow).
 set -u
 SMOKE=0
 [ "${1:-}" = "--smoke" ] && SMOKE=1
@@ -34,7 +34,7 @@ WORK=${WORK:-/tmp/gpu_session}
 T0=$(date +%s)
 left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
 mkdir -p "$OUT" "$WORK"
-if [ -d .whl ] && ls .whl/*.whl > /dev/null 2>&1; then
+if [ "$SMOKE" = 0 ] && [ -d .whl ] && ls .whl/*.whl > /dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
     export PYTHONPATH=/tmp/site:$PWD
 else
@@ -45,11 +45,11 @@ PY=python3
 command -v python3 > /dev/null || PY=python
 CLI="$PY -c 'import sys; from pyrobdl.cli import main; sys.exit(main())'"
 if [ "$SMOKE" = 1 ]; then
-    DEV=cpu; KS="8 16"; WARM=20; DRAWS=20; ONLY="dataset=blr,method=map"; TESTS_S=60; QS_A_S=60; WORKERS=1
+    DEV=cpu; KS="8"; WARM=20; DRAWS=20; TREE="--max-tree-depth 4"; ONLY="dataset=blr,method=map"; TESTS_S=60; QS_A_S=60; WORKERS=1
     # the JAX samplers on the CPU: one XLA thread, like torch's
     export JAX_PLATFORMS=cpu XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 else
-    DEV=cuda; KS="512 4096"; WARM=150; DRAWS=100; ONLY="dataset=gap"; TESTS_S=100; QS_A_S=110; WORKERS=3
+    DEV=cuda; KS="512 4096"; WARM=150; DRAWS=100; TREE=""; ONLY="dataset=gap"; TESTS_S=100; QS_A_S=110; WORKERS=3
 fi
 echo "smoke=$SMOKE device=$DEV budget=${BUDGET_S}s work=$WORK"
 
@@ -98,17 +98,17 @@ sampler() {  # name K cap_s
     if [ "$lim" -lt 20 ]; then echo "$tag: skipped, ${lim}s left" | tee -a "$WORK/phases.log"; return; fi
     local extra=""; [ "$1" = chees ] && extra="--compile"
     timeout "$lim" $PY comparisons/benchmarks/chees_vs_blackjax.py --sampler "$1" --chains "$2" --device $DEV \
-        --warmup $WARM --samples $DRAWS $extra --out "$WORK/samplers.jsonl" > "$WORK/$tag.log" 2>&1
+        --warmup $WARM --samples $DRAWS $TREE $extra --out "$WORK/samplers.jsonl" > "$WORK/$tag.log" 2>&1
     local rc=$?
     echo "$tag: rc $rc (limit ${lim}s) at $(( $(date +%s) - T0 )) s" | tee -a "$WORK/phases.log"
     [ "$rc" = 0 ] && touch "$WORK/$tag.done"
 }
 set -- $KS
 sampler blackjax "$1" 80; sampler chees "$1" 110; sampler numpyro "$1" 120
-sampler blackjax "$2" 100; sampler chees "$2" 200
+if [ -n "${2:-}" ]; then sampler blackjax "$2" 100; sampler chees "$2" 200; fi
 QS_B=$(( $(left) - 150 ))  # C first, leaving NumPyro K = 4,096 its turn after
 if [ "$SMOKE" = 0 ] && [ "$QS_B" -gt 30 ]; then quickstart cuda "$WORK/qs_gpu" "$QS_B"; fi
-sampler numpyro "$2" 150
+[ -n "${2:-}" ] && sampler numpyro "$2" 150
 [ -f "$WORK/samplers.jsonl" ] && $PY comparisons/benchmarks/chees_vs_blackjax.py --table "$WORK/samplers.jsonl" > "$WORK/samplers.md" 2>&1
 
 # ---- C. the quickstart on the GPU, resumed in the time left
