@@ -20,8 +20,7 @@ from test_flat import TOL64, float64, make_data, make_model  # noqa: F401
 import pyrobdl
 from pyrobdl.guides import Dropout, MeanField
 from pyrobdl.inference.elbo import make_elbo
-from pyrobdl.inference.svi import _Batches
-_epochs_covered = lambda s, n, b: s * min(b, n) / n
+from pyrobdl.inference.svi import _Batches, _epochs_covered
 
 N, B = 5, 2  # epochs of 2 + 2 + 1
 
