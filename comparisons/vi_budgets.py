@@ -5,7 +5,8 @@ For every optimisation-based method of ``comparisons/quickstart.toml`` (the gap 
 ``--factors`` (the whole schedule stretched, as a longer budget in the TOML would run) and print
 the objective at the end of training (mean of the last 10% of the recorded history: ELBO, or
 log joint for MAP/ensemble/Laplace's MAP; minibatch estimates scaled to the full data), the
-report's "still improving" share (``pyrobdl.report.verdicts.still_improving``), the test
+report's "still improving" test (``pyrobdl.report.verdicts.still_improving``: the rise over the
+final quarter of the learning-rate schedule, its standard error, and whether it is flagged), the test
 log-likelihood (original scale) and the CPU seconds.  A budget has converged when a longer one
 gains nothing beyond the spread between seeds.
 
@@ -66,7 +67,8 @@ def main() -> None:
     methods = [m for m in (a.methods or OPTIMISED) if m in cfg["methods"]]
     if a.suite == "uci_fast":
         methods = [m for m in methods if m in cfg["datasets"].get(a.dataset, {}).get("methods", methods)]
-    print(f"{'method':<20} {'steps':>6} {'seed':>4} {'objective':>10} {'improving':>9} {'test LL':>8} {'CPU s':>6}")
+    print(f"{'method':<20} {'steps':>6} {'seed':>4} {'objective':>10} {'rise':>8} {'± s.e.':>7} {'flag':>4} "
+          f"{'test LL':>8} {'CPU s':>6}")
     for m in methods:
         settings = {k: v for k, v in cfg["methods"][m].items() if k not in ("published", "gradient_variance", "model")}
         prior = pyrobdl.priors.LogUniform() if m == "variational_dropout" else None
@@ -79,10 +81,11 @@ def main() -> None:
                 cpu = time.process_time() - c0
                 h = np.asarray(post.history, dtype=float)
                 tail = float(np.mean(h[-max(len(h) // 10, 1):]))
-                share = still_improving(h)
+                trend = still_improving(h, post.settings.get("lr_schedule"))
+                rise = (trend.gain, trend.se, "yes" if trend.flagged else "no") if trend else (float("nan"),) * 2 + ("-",)
                 t = evaluate(post, data.x_test, data.y_test, num_samples=200, seed=0, y_mean=data.y_mean,
                              y_std=data.y_std)
-                print(f"{m:<20} {steps:>6} {seed:>4} {tail:>10.2f} {share if share is not None else float('nan'):>9.3f} "
+                print(f"{m:<20} {steps:>6} {seed:>4} {tail:>10.2f} {rise[0]:>8.3g} {rise[1]:>7.2g} {rise[2]:>4} "
                       f"{t['test_ll']:>8.3f} {cpu:>6.1f}", flush=True)
 
 

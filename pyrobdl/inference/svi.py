@@ -15,7 +15,6 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import numpy as np
 import pyro
 import torch
 from tqdm.auto import tqdm
@@ -62,7 +61,8 @@ class LoopSettings:
         Adam learning rate.
     batch_size : int or None
         Minibatch size; None for full batch.  Minibatches are drawn without replacement in
-        shuffled epochs, and the likelihood is scaled by ``N / batch_size``.
+        shuffled epochs (the last batch of each holds the ``N mod B`` points left), and the
+        likelihood of each batch is scaled by ``N`` over its own size.
     num_particles : int
         Vectorized Monte Carlo samples per step.
     lr_schedule : {"constant", "linear", "cosine"}
@@ -112,7 +112,14 @@ class LoopSettings:
 
 
 class _Batches:
-    """Shuffled epochs of minibatch indices, drawn on the data's device."""
+    """Shuffled epochs of minibatch indices, drawn on the data's device.
+
+    Every epoch visits every point once: its last batch holds the ``N mod B`` points left, as
+    ``torch.utils.data.DataLoader`` does by default and as the ensemble's trainer does.  The losses
+    scale the likelihood by ``N / len(idx)``, the batch's own size, so every batch -- the short
+    last one included -- is an unbiased estimate of the full-data objective (issue 38; before,
+    the remainder was dropped and ``N mod B`` points sat out each epoch).
+    """
 
     def __init__(self, num_data: int, batch_size: int, device: torch.device) -> None:
         self.num_data, self.batch_size, self.device = num_data, batch_size, device
@@ -122,12 +129,20 @@ class _Batches:
     def next(self) -> torch.Tensor | None:
         if self.batch_size >= self.num_data:
             return None
-        if self._pos + self.batch_size > self._perm.shape[0]:
+        if self._pos >= self._perm.shape[0]:
             self._perm = torch.randperm(self.num_data, device=self.device)
             self._pos = 0
         idx = self._perm[self._pos : self._pos + self.batch_size]
         self._pos += self.batch_size
         return idx
+
+
+def _epochs_covered(steps: int, num_data: int, batch_size: int) -> float:
+    """Passes over the data made by ``steps`` minibatches of :class:`_Batches`: each epoch is
+    ``ceil(N / B)`` steps (the last one the ``N mod B`` points left) and visits ``N`` points."""
+    per_epoch = -(-num_data // batch_size)
+    full, rest = divmod(steps, per_epoch)
+    return full + rest * batch_size / num_data
 
 
 def _adam(params: list[torch.Tensor], lr: float) -> torch.optim.Optimizer:
@@ -380,7 +395,7 @@ def run_svi(
     cost = Cost(
         wall_time_s=wall,
         gradient_evaluations=steps * settings.num_particles,
-        epochs=steps * batch / num_data,
+        epochs=_epochs_covered(steps, num_data, batch),
         peak_memory_bytes=_peak_memory(device),
         device=str(device),
         cpu_time_s=cpu,
