@@ -18,6 +18,17 @@ to ``max_retries`` times; when the retries are spent the cell is recorded as fai
 that raises is locally.  An interrupt (Ctrl-C) cancels the outstanding tasks before it
 propagates, so the command exits as a local run does (130) and resumes the same way.
 
+No orphans: a local Ray started here ends with this process, however it ends.  On Ctrl-C
+(and SIGTERM in ``pyrobdl compare``) or a normal exit, :meth:`RayExecutor.shutdown` (or Ray's
+own exit hook) shuts it down.  Ray's head processes (GCS, raylet, monitors) die with the driver
+even on ``kill -9`` (Ray's fate sharing), but the dashboard and runtime-env agents that the
+raylet starts did not: after a ``kill -9`` they ran on for ~60 s, waiting on the dead GCS.  So
+on Linux the executor also starts a small watcher process (``pyrobdl-watcher`` in ``ps -o
+comm``; this file run by a bare Python, no torch) that follows every process of that Ray and,
+once the driver is gone or has shut Ray down, stops what is left (SIGTERM, then SIGKILL after
+3 s), then exits.  A cluster joined by address, and a Ray the caller initialised, are never
+touched.
+
 Ray is an optional dependency (``pip install "pyrobdl[ray]"``); it is imported only when this
 executor is created.
 """
@@ -25,9 +36,16 @@ executor is created.
 from __future__ import annotations
 
 import dataclasses
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 
-__all__ = ["RayExecutor"]
+__all__ = ["RayExecutor", "WATCHER_NAME"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -41,6 +59,105 @@ def _require_ray() -> Any:
             'the Ray executor needs Ray: pip install "pyrobdl[ray]" (or pip install ray)'
         ) from e
     return ray
+
+
+#: The watcher's process name (``ps -o comm``; at most 15 characters).
+WATCHER_NAME = "pyrobdl-watcher"
+_PROC = Path("/proc")
+
+
+def _stat(pid: int) -> list[str] | None:
+    """``/proc/PID/stat`` after the command name: state, ppid, ..., start time at index 19."""
+    try:
+        return (_PROC / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _parents() -> dict[int, int]:
+    """Every live process's parent pid, by pid (empty without ``/proc``)."""
+    found = {}
+    try:
+        entries = [int(e.name) for e in _PROC.iterdir() if e.name.isdigit()]
+    except OSError:
+        return found
+    for pid in entries:
+        fields = _stat(pid)
+        if fields and fields[0] not in ("Z", "X"):
+            found[pid] = int(fields[1])
+    return found
+
+
+def _children(pid: int) -> list[int]:
+    return [kid for kid, parent in _parents().items() if parent == pid]
+
+
+def _identity(pid: int) -> str | None:
+    """A live process's start time: with its pid, it names the process (pids are reused)."""
+    fields = _stat(pid)
+    return fields[19] if fields and fields[0] not in ("Z", "X") else None
+
+
+def _follow(tracked: dict[int, str]) -> None:
+    """Add to ``tracked`` (pid -> start time) every live descendant of a tracked live process."""
+    parents = _parents()
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parents.items():
+        children.setdefault(ppid, []).append(pid)
+    todo = [pid for pid, start in tracked.items() if pid in parents and _identity(pid) == start]
+    while todo:
+        for kid in children.get(todo.pop(), ()):
+            if kid not in tracked and (start := _identity(kid)) is not None:
+                tracked[kid] = start
+                todo.append(kid)
+
+
+def _stop(tracked: dict[int, str], grace_s: float = 3.0) -> None:
+    """SIGTERM every tracked process still alive (same pid, same start time), SIGKILL after ``grace_s``."""
+    def alive() -> list[int]:
+        return [pid for pid, start in tracked.items() if _identity(pid) == start]
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in alive():
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+        deadline = time.monotonic() + grace_s
+        while alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+
+def _watch(driver_pid: int, heads: Sequence[int], interval_s: float = 0.5) -> None:
+    """The watcher's main loop: follow the Ray processes ``heads`` and their descendants while
+    the driver lives; when its pipe (our stdin) closes or the driver is gone, stop them all."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a terminal's Ctrl-C or hang-up
+        signal.signal(sig, signal.SIG_IGN)                      # is for the driver: outlive it
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(15, ctypes.c_char_p(WATCHER_NAME.encode()), 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):  # pragma: no cover - no libc / no prctl
+        pass
+    tracked = {pid: start for pid in heads if (start := _identity(pid)) is not None}
+    stdin = sys.stdin.fileno()
+    while os.getppid() == driver_pid:
+        _follow(tracked)
+        if select.select([stdin], [], [], interval_s)[0] and not os.read(stdin, 4096):
+            break  # the driver shut its Ray down, or died: the kernel closed its end of the pipe
+    _follow(tracked)
+    _stop(tracked)
+
+
+def _start_watcher(heads: Sequence[int]) -> subprocess.Popen | None:
+    """Start the watcher of the Ray processes ``heads`` (children of this process); None where it
+    cannot run (no ``/proc``, no source file)."""
+    source = Path(__file__)
+    if not heads or not _PROC.is_dir() or not source.is_file():
+        return None
+    # -I: a bare interpreter (no pyrobdl package, no torch): only this file's stdlib imports
+    return subprocess.Popen([sys.executable, "-I", str(source), str(os.getpid()), *map(str, heads)],
+                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, process_group=0)
 
 
 def _run_task(fn: Callable[[Any], Any], task: Any, **shared: Any) -> Any:
@@ -59,7 +176,8 @@ class RayExecutor:
     address : str, optional
         A running cluster's address (``"auto"`` finds the local node's); default: start a
         local Ray in this process (``ray.init`` with ``num_cpus`` and ``num_gpus``), shut down
-        again by :meth:`shutdown`.  An already initialised Ray (e.g. a test's) is used as it is.
+        again by :meth:`shutdown`, and on Linux by a watcher process if this process dies first
+        (see the module's notes).  An already initialised Ray (e.g. a test's) is used as it is.
     num_cpus, num_gpus : int, optional
         Resources of a local Ray started here (default: Ray's detection).
     max_retries : int, default 2
@@ -85,13 +203,17 @@ class RayExecutor:
         ray = _require_ray()
         self.max_retries = max_retries
         self._owns = False
+        self._watcher: subprocess.Popen | None = None
         if not ray.is_initialized():
             kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False,
                                       "configure_logging": False, **(init_kwargs or {})}
             if address is None:
                 kwargs.update(num_cpus=num_cpus, num_gpus=num_gpus)
+            before = set(_children(os.getpid()))
             ray.init(address=address, **kwargs)
             self._owns = True
+            if address is None:  # the processes ray.init started: this Ray's head processes
+                self._watcher = _start_watcher(sorted(set(_children(os.getpid())) - before))
         self._ray = ray
         self._remote = ray.remote(_run_task)
         self._pending: dict[Any, Any] = {}
@@ -102,6 +224,13 @@ class RayExecutor:
         if self._owns and self._ray.is_initialized():
             self._ray.shutdown()
         self._owns = False
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None:  # closing its pipe: it stops what ray.shutdown left, then exits
+            watcher.stdin.close()
+            try:
+                watcher.wait(30)
+            except subprocess.TimeoutExpired:  # pragma: no cover - a watcher stuck on a dying process
+                watcher.kill()
 
     def __enter__(self) -> "RayExecutor":
         return self
@@ -165,3 +294,6 @@ class RayExecutor:
                 ray.cancel(ref, force=True)
             self._pending = {}
 
+
+if __name__ == "__main__":  # the watcher: python -I ray_executor.py DRIVER_PID HEAD_PID...
+    _watch(int(sys.argv[1]), [int(pid) for pid in sys.argv[2:]])
