@@ -327,16 +327,19 @@ def _in_session(sid: int) -> dict[int, str]:
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc (Linux)")
 def test_only_a_ray_started_here_is_watched_and_its_leftovers_stopped_at_shutdown(monkeypatch):
     """A Ray joined by address, or initialised by the caller, gets no watcher; for a Ray started
-    here the watcher follows what ray.init started and stops what ray.shutdown left.  (ray.init is
-    faked by a process that starts a child, so no Ray starts.)"""
-    started = []
+    here the watcher follows what ray.init started and stops what ray.shutdown, or a failed
+    ray.init, left.  (ray.init is faked by a process that starts a child, so no Ray starts.)"""
+    started, grandchildren = [], []
 
-    def fake_init(address=None, **kwargs):
+    def fake_init(address=None, fail=False, **kwargs):
         started.append(subprocess.Popen([sys.executable, "-c", "import subprocess, time; "
                                          "subprocess.Popen(['sleep', '120']); time.sleep(120)"]))
         deadline = time.time() + 60
         while time.time() < deadline and not _children_of(started[-1].pid):
             time.sleep(0.05)
+        grandchildren.extend(_children_of(started[-1].pid))
+        if fail:
+            raise RuntimeError("Ray failed to start")
 
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", fake_init)
@@ -349,20 +352,53 @@ def test_only_a_ray_started_here_is_watched_and_its_leftovers_stopped_at_shutdow
         started[0].kill()
         own = RayExecutor()
         head = started[1]
-        kids = _children_of(head.pid)
-        assert own._watcher is not None and len(kids) == 1
+        assert own._watcher is not None and len(grandchildren) == 2
         time.sleep(1.0)  # the watcher has followed the head to its child
         own.shutdown()
-        assert head.wait(10) == -signal.SIGTERM and not _live(kids[0])
+        assert head.wait(10) == -signal.SIGTERM and not _live(grandchildren[1])
+        # a start that fails (or is interrupted) half-way: what it started is stopped
+        with pytest.raises(RuntimeError, match="Ray failed to start"):
+            RayExecutor(init_kwargs={"fail": True})
+        assert len(grandchildren) == 3 and started[2].wait(10) == -signal.SIGTERM and not _live(grandchildren[2])
     finally:
-        for proc in started:
-            for kid in _children_of(proc.pid):
+        for kid in grandchildren:
+            if _live(kid):
                 os.kill(kid, signal.SIGKILL)
+        for proc in started:
             proc.kill()
             proc.wait()
     monkeypatch.undo()
     if ray.is_initialized():  # a caller's Ray (the module's fixture) is used as it is: no watcher
         assert RayExecutor()._watcher is None
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc (Linux)")
+def test_the_watcher_finds_a_lost_ray_process_by_its_session_folder_only(tmp_path):
+    """The watcher's net for a Ray process re-parented before it was seen: a process of our
+    terminal session whose open files lie in the session folder of a Ray *this* driver started
+    (the folder's name ends with the driver's pid); not one of another driver's Ray, not
+    `session_latest`, not one of another terminal session."""
+    from pyrobdl.compare.ray_executor import _named_sessions, _of_sessions
+
+    mine = tmp_path / f"session_2026-11-28_02-35-25_736452_{os.getpid()}"
+    other = tmp_path / "session_2026-11-28_02-35-25_736452_1"
+    procs = []
+    try:
+        for folder, new_session in [(mine, False), (other, False), (tmp_path / "session_latest", False),
+                                    (mine, True)]:
+            (folder / "logs").mkdir(parents=True, exist_ok=True)
+            with open(folder / "logs" / f"agent{len(procs)}.out", "w") as log:
+                procs.append(subprocess.Popen(["sleep", "60"], stdout=log, start_new_session=new_session))
+        assert _named_sessions(procs[0].pid, os.getpid()) == {str(mine)}
+        assert _named_sessions(procs[1].pid, os.getpid()) == set() and _named_sessions(procs[1].pid) == {str(other)}
+        assert _named_sessions(procs[2].pid) == set()
+        found = _of_sessions({str(mine)}, os.getsid(0), {os.getpid()})
+        assert set(found) == {procs[0].pid}  # procs[3] names it too, but from another terminal session
+        assert _of_sessions(set(), os.getsid(0), set()) == {}
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
 
 
 def _children_of(pid: int) -> list[int]:
@@ -377,12 +413,14 @@ def _live(pid: int) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc (Linux)")
-@pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM", "SIGINT"])
-def test_a_ray_started_by_compare_ends_when_the_driver_dies(tmp_path, sig):
+@pytest.mark.parametrize("sig, when", [("SIGKILL", "running"), ("SIGTERM", "running"), ("SIGINT", "running"),
+                                       ("SIGKILL", "starting")])
+def test_a_ray_started_by_compare_ends_when_the_driver_dies(tmp_path, sig, when):
     """Issue 42: after the driver of `compare --executor ray` was killed, two Ray agent processes
     ran on.  A real driver starts its own Ray (GCS, raylet, dashboard and runtime-env agents, a
     worker running a long cell) and is killed; no process of that Ray is left 15 s after the driver
-    ended.
+    ended.  ``starting``: killed 0.5 s after the raylet appeared, while it starts its agents (a
+    watcher that follows only the process tree lost agents started in its last half second).
 
     The driver is a session leader, so every process it (or Ray) starts is found by its session id,
     whatever its parent is once the driver is gone."""
@@ -399,15 +437,17 @@ def test_a_ray_started_by_compare_ends_when_the_driver_dies(tmp_path, sig):
     seen: dict[int, str] = {}
     try:
         deadline = time.time() + 400  # Ray's start-up took ~40 s at load average 5 on 2 cores
-        wanted = ("raylet", "ray::DashboardA", "ray::RuntimeEnv", "ray::_run_task")
+        wanted = ("raylet",) if when == "starting" else ("raylet", "ray::DashboardA", "ray::RuntimeEnv",
+                                                          "ray::_run_task")
         while time.time() < deadline and driver.poll() is None:
             seen = _in_session(driver.pid)
             if all(name in seen.values() for name in wanted):
                 break
-            time.sleep(0.5)
+            time.sleep(0.1)
         assert driver.poll() is None, driver.stderr.read()[-2000:]
         assert all(name in seen.values() for name in wanted), f"Ray not up after 400 s: {seen}"
-        time.sleep(1.0)  # the cell's fit has started
+        time.sleep(0.5 if when == "starting" else 1.0)  # the agents are starting / the cell's fit has started
+        seen = _in_session(driver.pid)
         os.kill(driver.pid, getattr(signal, sig))
         t0 = time.time()
         code = driver.wait(120)  # SIGTERM/SIGINT: the driver shuts its Ray down, then exits
