@@ -297,3 +297,176 @@ def test_cli_ray_flags_are_checked_and_max_retries_reaches_the_executor(tmp_path
     monkeypatch.setattr(ray_executor, "RayExecutor", fake)
     assert main(["compare", str(path), "--out", out, "--no-progress", "--executor", "ray", "--max-retries", "5"]) == 2
     assert seen == {"address": None, "max_retries": 5} and "stop here" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- no orphans (issue 42)
+
+def _stat(pid: int) -> list[str] | None:
+    """Fields of /proc/PID/stat after the command name (state, ppid, pgrp, session, ...)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def _in_session(sid: int) -> dict[int, str]:
+    """Live processes of session ``sid`` (zombies have ended: our container's init may not reap
+    them), by pid, with their command names."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            fields = _stat(int(entry.name))
+            if fields and int(fields[3]) == sid and fields[0] not in ("Z", "X"):
+                try:
+                    found[int(entry.name)] = (entry / "comm").read_text().strip()
+                except OSError:
+                    continue
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc (Linux)")
+def test_only_a_ray_started_here_is_watched_and_its_leftovers_stopped_at_shutdown(monkeypatch):
+    """A Ray joined by address, or initialised by the caller, gets no watcher; for a Ray started
+    here the watcher follows what ray.init started and stops what ray.shutdown, or a failed
+    ray.init, left.  (ray.init is faked by a process that starts a child, so no Ray starts.)"""
+    started, grandchildren = [], []
+
+    def fake_init(address=None, fail=False, **kwargs):
+        started.append(subprocess.Popen([sys.executable, "-c", "import subprocess, time; "
+                                         "subprocess.Popen(['sleep', '120']); time.sleep(120)"]))
+        deadline = time.time() + 60
+        while time.time() < deadline and not _children_of(started[-1].pid):
+            time.sleep(0.05)
+        grandchildren.extend(_children_of(started[-1].pid))
+        if fail:
+            raise RuntimeError("Ray failed to start")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", fake_init)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)  # a shutdown that leaves everything behind
+    try:
+        joined = RayExecutor("ray://head:10001")
+        assert joined._watcher is None and len(started) == 1
+        joined.shutdown()
+        assert started[0].poll() is None  # a cluster joined by address is never touched
+        started[0].kill()
+        own = RayExecutor()
+        head = started[1]
+        assert own._watcher is not None and len(grandchildren) == 2
+        time.sleep(1.0)  # the watcher has followed the head to its child
+        own.shutdown()
+        assert head.wait(10) == -signal.SIGTERM and not _live(grandchildren[1])
+        # a start that fails (or is interrupted) half-way: what it started is stopped
+        with pytest.raises(RuntimeError, match="Ray failed to start"):
+            RayExecutor(init_kwargs={"fail": True})
+        assert len(grandchildren) == 3 and started[2].wait(10) == -signal.SIGTERM and not _live(grandchildren[2])
+    finally:
+        for kid in grandchildren:
+            if _live(kid):
+                os.kill(kid, signal.SIGKILL)
+        for proc in started:
+            proc.kill()
+            proc.wait()
+    monkeypatch.undo()
+    if ray.is_initialized():  # a caller's Ray (the module's fixture) is used as it is: no watcher
+        assert RayExecutor()._watcher is None
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc (Linux)")
+def test_the_watcher_finds_a_lost_ray_process_by_its_session_folder_only(tmp_path):
+    """The watcher's net for a Ray process re-parented before it was seen: a process of our
+    terminal session whose open files lie in the session folder of a Ray *this* driver started
+    (the folder's name ends with the driver's pid); not one of another driver's Ray, not
+    `session_latest`, not one of another terminal session."""
+    from pyrobdl.compare.ray_executor import _named_sessions, _of_sessions
+
+    mine = tmp_path / f"session_2026-11-28_02-35-25_736452_{os.getpid()}"
+    other = tmp_path / "session_2026-11-28_02-35-25_736452_1"
+    procs = []
+    try:
+        for folder, new_session in [(mine, False), (other, False), (tmp_path / "session_latest", False),
+                                    (mine, True)]:
+            (folder / "logs").mkdir(parents=True, exist_ok=True)
+            with open(folder / "logs" / f"agent{len(procs)}.out", "w") as log:
+                procs.append(subprocess.Popen(["sleep", "60"], stdout=log, start_new_session=new_session))
+        assert _named_sessions(procs[0].pid, os.getpid()) == {str(mine)}
+        assert _named_sessions(procs[1].pid, os.getpid()) == set() and _named_sessions(procs[1].pid) == {str(other)}
+        assert _named_sessions(procs[2].pid) == set()
+        found = _of_sessions({str(mine)}, os.getsid(0), {os.getpid()})
+        assert set(found) == {procs[0].pid}  # procs[3] names it too, but from another terminal session
+        assert _of_sessions(set(), os.getsid(0), set()) == {}
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def _children_of(pid: int) -> list[int]:
+    return [int(e.name) for e in Path("/proc").iterdir()
+            if e.name.isdigit() and (f := _stat(int(e.name))) and int(f[1]) == pid and f[0] not in ("Z", "X")]
+
+
+def _live(pid: int) -> bool:
+    fields = _stat(pid)
+    return bool(fields) and fields[0] not in ("Z", "X")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc (Linux)")
+@pytest.mark.parametrize("sig, when", [("SIGKILL", "running"), ("SIGTERM", "running"), ("SIGINT", "running"),
+                                       ("SIGKILL", "starting")])
+def test_a_ray_started_by_compare_ends_when_the_driver_dies(tmp_path, sig, when):
+    """Issue 42: after the driver of `compare --executor ray` was killed, two Ray agent processes
+    ran on.  A real driver starts its own Ray (GCS, raylet, dashboard and runtime-env agents, a
+    worker running a long cell) and is killed; no process of that Ray is left 15 s after the driver
+    ended.  ``starting``: killed 0.5 s after the raylet appeared, while it starts its agents (a
+    watcher that follows only the process tree lost agents started in its last half second).
+
+    The driver is a session leader, so every process it (or Ray) starts is found by its session id,
+    whatever its parent is once the driver is gone."""
+    slow = TINY.replace("[methods.map]\nnum_steps = 30", "[methods.map]\nnum_steps = 100000000")
+    assert slow != TINY
+    path = write(tmp_path, slow)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "pyrobdl.cli", "compare", str(path), "--out", str(tmp_path / "out"),
+         "--executor", "ray", "--threads", "1", "--no-progress"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        # SIGINT at its default, as for a user's Ctrl-C (a background job inherits it ignored)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    seen: dict[int, str] = {}
+    try:
+        deadline = time.time() + 400  # Ray's start-up took ~40 s at load average 5 on 2 cores
+        wanted = ("raylet",) if when == "starting" else ("raylet", "ray::DashboardA", "ray::RuntimeEnv",
+                                                          "ray::_run_task")
+        while time.time() < deadline and driver.poll() is None:
+            seen = _in_session(driver.pid)
+            if all(name in seen.values() for name in wanted):
+                break
+            time.sleep(0.1)
+        assert driver.poll() is None, driver.stderr.read()[-2000:]
+        assert all(name in seen.values() for name in wanted), f"Ray not up after 400 s: {seen}"
+        time.sleep(0.5 if when == "starting" else 1.0)  # the agents are starting / the cell's fit has started
+        seen = _in_session(driver.pid)
+        os.kill(driver.pid, getattr(signal, sig))
+        t0 = time.time()
+        code = driver.wait(120)  # SIGTERM/SIGINT: the driver shuts its Ray down, then exits
+        t_exit = time.time() - t0
+        left = _in_session(driver.pid)
+        while time.time() - t0 < t_exit + 15 and left:
+            time.sleep(0.2)
+            left = _in_session(driver.pid)
+        assert not left, (f"{time.time() - t0:.0f} s after {sig} (the driver ended after {t_exit:.0f} s) these "
+                          f"processes of the driver's Ray still run: {left} (all were {seen})")
+        if sig != "SIGKILL":
+            assert code == 130, (code, driver.stderr.read()[-2000:])
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+        for pid in _in_session(driver.pid):  # never leave a Ray behind, even when the test failed
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        driver.stderr.close()

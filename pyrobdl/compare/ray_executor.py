@@ -18,6 +18,19 @@ to ``max_retries`` times; when the retries are spent the cell is recorded as fai
 that raises is locally.  An interrupt (Ctrl-C) cancels the outstanding tasks before it
 propagates, so the command exits as a local run does (130) and resumes the same way.
 
+No orphans: a local Ray started here ends with this process, however it ends.  On Ctrl-C
+(and SIGTERM in ``pyrobdl compare``) or a normal exit, :meth:`RayExecutor.shutdown` (or Ray's
+own exit hook) shuts it down.  Ray's head processes (GCS, raylet, monitors) die with the driver
+even on ``kill -9`` (Ray's fate sharing), but the dashboard and runtime-env agents that the
+raylet starts did not: after a ``kill -9`` they ran on for ~60 s, waiting on the dead GCS.  So
+on Linux the executor starts, just before ``ray.init``, a small watcher process
+(``pyrobdl-watcher`` in ``ps -o comm``; this file run by a bare Python, no torch).  It follows
+the processes that ``ray.init`` starts and their descendants (twice a second), and once the
+driver is gone or has shut Ray down it stops them (SIGTERM, then SIGKILL after 3 s), then exits.
+When the driver died, it also stops any process of the driver's terminal session that names
+this Ray's session folder (an agent started just before, re-parented before it was seen).  A
+cluster joined by address, and a Ray the caller initialised, are never touched.
+
 Ray is an optional dependency (``pip install "pyrobdl[ray]"``); it is imported only when this
 executor is created.
 """
@@ -25,9 +38,17 @@ executor is created.
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 
-__all__ = ["RayExecutor"]
+__all__ = ["RayExecutor", "WATCHER_NAME"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -41,6 +62,167 @@ def _require_ray() -> Any:
             'the Ray executor needs Ray: pip install "pyrobdl[ray]" (or pip install ray)'
         ) from e
     return ray
+
+
+#: The watcher's process name (``ps -o comm``; at most 15 characters).
+WATCHER_NAME = "pyrobdl-watcher"
+_PROC = Path("/proc")
+
+
+def _stat(pid: int) -> list[str] | None:
+    """``/proc/PID/stat`` after the command name: state, ppid, ..., start time at index 19."""
+    try:
+        return (_PROC / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _parents() -> dict[int, int]:
+    """Every live process's parent pid, by pid (empty without ``/proc``)."""
+    found = {}
+    try:
+        entries = [int(e.name) for e in _PROC.iterdir() if e.name.isdigit()]
+    except OSError:
+        return found
+    for pid in entries:
+        fields = _stat(pid)
+        if fields and fields[0] not in ("Z", "X"):
+            found[pid] = int(fields[1])
+    return found
+
+
+def _children(pid: int) -> list[int]:
+    return [kid for kid, parent in _parents().items() if parent == pid]
+
+
+def _identity(pid: int) -> str | None:
+    """A live process's start time: with its pid, it names the process (pids are reused)."""
+    fields = _stat(pid)
+    return fields[19] if fields and fields[0] not in ("Z", "X") else None
+
+
+def _follow(tracked: dict[int, str]) -> None:
+    """Add to ``tracked`` (pid -> start time) every live descendant of a tracked live process."""
+    parents = _parents()
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parents.items():
+        children.setdefault(ppid, []).append(pid)
+    todo = [pid for pid, start in tracked.items() if pid in parents and _identity(pid) == start]
+    while todo:
+        for kid in children.get(todo.pop(), ()):
+            if kid not in tracked and (start := _identity(kid)) is not None:
+                tracked[kid] = start
+                todo.append(kid)
+
+
+#: A Ray session's folder (``<temp dir>/session_<date>_<time>_<microseconds>_<pid of the driver>``),
+#: named in its processes' arguments and open files (every Ray process writes its logs there).
+_SESSION_DIR = re.compile(r"(/(?:[^/\0]+/)*session_\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_\d+_(\d+))(?:/|$)")
+
+
+def _named_sessions(pid: int, driver_pid: int | None = None) -> set[str]:
+    """The Ray session folders that a process names in its arguments or open files (only those
+    of a Ray that ``driver_pid`` started, if given)."""
+    texts: list[str] = []
+    try:
+        texts += (_PROC / str(pid) / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        fds = _PROC / str(pid) / "fd"
+        for fd in os.listdir(fds):
+            try:
+                texts.append(os.readlink(fds / fd))
+            except OSError:
+                continue
+    except OSError:  # gone, or another user's
+        pass
+    return {m.group(1) for text in texts if (m := _SESSION_DIR.search(text))
+            and (driver_pid is None or int(m.group(2)) == driver_pid)}
+
+
+def _of_sessions(sessions: set[str], sid: int, skip: set[int]) -> dict[int, str]:
+    """Live processes of the terminal session ``sid`` (not in ``skip``) that name one of the Ray
+    session folders ``sessions``: the Ray processes that the process tree lost (re-parented)."""
+    found: dict[int, str] = {}
+    for pid in _parents() if sessions else ():
+        fields = _stat(pid)
+        if pid not in skip and fields and int(fields[3]) == sid and _named_sessions(pid) & sessions:
+            found[pid] = fields[19]
+    return found
+
+
+def _stop(tracked: dict[int, str], grace_s: float = 3.0) -> None:
+    """SIGTERM every tracked process still alive (same pid, same start time), SIGKILL after ``grace_s``."""
+    def alive() -> list[int]:
+        return [pid for pid, start in tracked.items() if _identity(pid) == start]
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in alive():
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+        deadline = time.monotonic() + grace_s
+        while alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+
+def _watch(driver_pid: int, existing: Sequence[int], interval_s: float = 0.5) -> None:
+    """The watcher's main loop.  While ``ray.init`` runs, follow the driver's new children (not in
+    ``existing``) and their descendants; once the driver writes the head processes' pids (one
+    line on our stdin), follow only those and their descendants.  When the pipe closes (the
+    driver shut Ray down, or died) or the driver is gone, stop every process followed, and, if the
+    driver died, every process of our terminal session that names this Ray's session folder."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a terminal's Ctrl-C or hang-up
+        signal.signal(sig, signal.SIG_IGN)                      # is for the driver: outlive it
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(15, ctypes.c_char_p(WATCHER_NAME.encode()), 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):  # pragma: no cover - no libc / no prctl
+        pass
+    skip, tracked, heads, line = {*existing, os.getpid()}, {}, None, b""
+    sessions: set[str] = set()
+
+    def adopt() -> None:  # Ray is starting: what the driver starts now is Ray's
+        if heads is None:
+            for pid in set(_children(driver_pid)) - skip:
+                if pid not in tracked and (start := _identity(pid)) is not None:
+                    tracked[pid] = start
+
+    stdin = sys.stdin.fileno()
+    while os.getppid() == driver_pid:
+        adopt()
+        _follow(tracked)
+        if not sessions:  # learnt once, from the first Ray process that names it
+            sessions = set().union(*(_named_sessions(pid, driver_pid) for pid in tracked))
+        if not select.select([stdin], [], [], interval_s)[0]:
+            continue
+        data = os.read(stdin, 4096)
+        if not data:
+            break  # the driver shut its Ray down, or died: the kernel closed its end of the pipe
+        line += data
+        if heads is None and b"\n" in line:  # ray.init returned: these are Ray's head processes
+            heads = [int(pid) for pid in line.split(b"\n", 1)[0].split()]
+            tracked = {pid: start for pid in heads if (start := _identity(pid)) is not None}
+    driver_gone = os.getppid() != driver_pid
+    if not driver_gone:
+        adopt()  # a start that failed: its processes are still the driver's children
+    _follow(tracked)
+    if driver_gone:  # (a live driver's own forks may hold its Ray log open: never swept)
+        # a process started just before the driver died (an agent the raylet starts) may have been
+        # re-parented before it was seen: find it by its Ray session folder, in our terminal session
+        tracked.update(_of_sessions(sessions, os.getsid(0), {driver_pid, os.getpid()}))
+    _stop(tracked)
+
+
+def _start_watcher(existing: Sequence[int]) -> subprocess.Popen | None:
+    """Start the watcher of the Ray this process is about to start (``existing``: this process's
+    children before); None where it cannot run (no ``/proc``, no source file)."""
+    source = Path(__file__)
+    if not _PROC.is_dir() or not source.is_file():
+        return None
+    # -I: a bare interpreter (no pyrobdl package, no torch): only this file's stdlib imports
+    return subprocess.Popen([sys.executable, "-I", str(source), str(os.getpid()), *map(str, existing)],
+                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, process_group=0)
 
 
 def _run_task(fn: Callable[[Any], Any], task: Any, **shared: Any) -> Any:
@@ -59,7 +241,8 @@ class RayExecutor:
     address : str, optional
         A running cluster's address (``"auto"`` finds the local node's); default: start a
         local Ray in this process (``ray.init`` with ``num_cpus`` and ``num_gpus``), shut down
-        again by :meth:`shutdown`.  An already initialised Ray (e.g. a test's) is used as it is.
+        again by :meth:`shutdown`, and on Linux by a watcher process if this process dies first
+        (see the module's notes).  An already initialised Ray (e.g. a test's) is used as it is.
     num_cpus, num_gpus : int, optional
         Resources of a local Ray started here (default: Ray's detection).
     max_retries : int, default 2
@@ -85,16 +268,46 @@ class RayExecutor:
         ray = _require_ray()
         self.max_retries = max_retries
         self._owns = False
+        self._watcher: subprocess.Popen | None = None
         if not ray.is_initialized():
             kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False,
                                       "configure_logging": False, **(init_kwargs or {})}
             if address is None:
-                kwargs.update(num_cpus=num_cpus, num_gpus=num_gpus)
-            ray.init(address=address, **kwargs)
+                self._start_local(ray, {**kwargs, "num_cpus": num_cpus, "num_gpus": num_gpus})
+            else:
+                ray.init(address=address, **kwargs)
             self._owns = True
         self._ray = ray
         self._remote = ray.remote(_run_task)
         self._pending: dict[Any, Any] = {}
+
+    def _start_local(self, ray: Any, kwargs: dict[str, Any]) -> None:
+        """``ray.init`` a local Ray, watched from before it starts (a driver killed while Ray
+        starts leaves nothing either); then tell the watcher which processes are Ray's."""
+        before = _children(os.getpid())
+        self._watcher = _start_watcher(before)
+        try:
+            ray.init(**kwargs)
+        except BaseException:  # a failed or interrupted start: the watcher stops what it left
+            self._stop_watcher()
+            raise
+        if self._watcher is not None:
+            skip = {*before, self._watcher.pid}
+            heads = [pid for pid in _children(os.getpid()) if pid not in skip]
+            try:
+                self._watcher.stdin.write(" ".join(map(str, heads)).encode() + b"\n")
+                self._watcher.stdin.flush()
+            except OSError:  # pragma: no cover - the watcher was killed: nothing watches this Ray
+                self._watcher = None
+
+    def _stop_watcher(self) -> None:
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None:  # closing its pipe: it stops what is left of this Ray, then exits
+            watcher.stdin.close()
+            try:
+                watcher.wait(30)
+            except subprocess.TimeoutExpired:  # pragma: no cover - a watcher stuck on a dying process
+                watcher.kill()
 
     def shutdown(self) -> None:
         """Shut down the local Ray this executor started (nothing for a joined cluster's or a
@@ -102,6 +315,7 @@ class RayExecutor:
         if self._owns and self._ray.is_initialized():
             self._ray.shutdown()
         self._owns = False
+        self._stop_watcher()  # it stops what ray.shutdown left
 
     def __enter__(self) -> "RayExecutor":
         return self
@@ -165,3 +379,6 @@ class RayExecutor:
                 ray.cancel(ref, force=True)
             self._pending = {}
 
+
+if __name__ == "__main__":  # the watcher: python -I ray_executor.py DRIVER_PID [EXISTING_CHILD_PID...]
+    _watch(int(sys.argv[1]), [int(pid) for pid in sys.argv[2:]])
