@@ -184,12 +184,12 @@ class FusedFlatAdam:
         if self._fn is not None:
             return self._fn(vec, self.exp_avg, self.exp_avg_sq, self._hyper, idx, eps)
         start = time.perf_counter()
-        self._fn = self._build(x, y, idx)
         try:
             with warnings.catch_warnings():
                 # torch's compiler imports its own deprecated helpers; see FlatLogJoint.compile
                 warnings.simplefilter("ignore", DeprecationWarning)
                 warnings.filterwarnings("ignore", message=".*TensorFloat32 tensor cores", category=UserWarning)
+                self._fn = self._build(x, y, idx)
                 loss = self._fn(vec, self.exp_avg, self.exp_avg_sq, self._hyper, idx, eps)
         except Exception as err:  # torch's compiler raises many types (BackendCompilerFailed, ...)
             self._fn = None
