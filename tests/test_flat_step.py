@@ -167,3 +167,16 @@ def test_what_the_fused_step_cannot_run_is_refused_by_name():
     vd = pyrobdl.BayesianMLP(2, (3,), 1, prior=pyrobdl.priors.LogUniform())
     with pytest.raises(ValueError, match="variational_dropout"):
         pyrobdl.fit(vd, x, y, "variational_dropout", elbo="direct_compiled", num_steps=2, progress=False)
+
+
+def test_new_data_rebuild_the_step(float64):
+    """The step is built for the data of its first call; other data tensors rebuild it (as
+    FlatELBO rebuilds its log joint), so the loss is that of the data passed."""
+    ref, fused, x, y = _pair(CASES[2])
+    opt = FusedFlatAdam(fused, lr=0.0, compile=False)  # lr 0: the parameters stay put
+    x2, y2 = x[:25].clone(), y[:25].clone()
+    for data in ((x, y), (x2, y2), (x, y)):
+        pyro.set_rng_seed(11)
+        expected = ref.loss_and_grad(*data)
+        pyro.set_rng_seed(11)
+        assert float(opt.loss_and_step(*data, None)) == pytest.approx(float(expected), rel=TOL64)

@@ -31,7 +31,7 @@ import os
 import statistics
 import time
 import warnings
-from typing import Callable
+from typing import Any, Callable
 
 # one XLA thread, like the one torch thread; must be set before JAX is imported (--numpyro)
 os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
@@ -188,6 +188,43 @@ def numpyro_variants(x: torch.Tensor, y: torch.Tensor, batch: int) -> dict[str, 
     return out
 
 
+def decompose_compiled_step(x: torch.Tensor, y: torch.Tensor, batch: int, repeats: int, steps: int = 3000) -> None:
+    """Where a compiled mean-field step's time goes: CPU us per call of the fit loop's step, of
+    ``FusedFlatAdam.loss_and_step`` on a fixed minibatch (the draw and the graph), of the compiled
+    graph alone, and of the graph with Dynamo's guard check skipped."""
+    from pyrobdl.guides import MeanField
+    from pyrobdl.inference.elbo import make_elbo
+    from pyrobdl.inference.flat_step import FusedFlatAdam
+
+    model = pyrobdl.BayesianMLP(D, (H,), 1, prior=pyrobdl.priors.Gaussian(1.0), likelihood=pyrobdl.likelihoods.Gaussian(1.0))
+    opt = FusedFlatAdam(make_elbo(model, MeanField(model), elbo="direct_compiled"), lr=1e-3)
+    idx = None if batch >= N else torch.randperm(N)[:batch]
+    opt.loss_and_step(x, y, idx)
+    eps = torch.randn(1, opt.vector.shape[0] // 2)
+    args = (opt.vector, opt.exp_avg, opt.exp_avg_sq, opt._hyper, idx, eps)
+
+    def per_call(fn: Callable[[], Any]) -> float:
+        cpu = time.process_time()
+        for _ in range(steps):
+            fn()
+        return (time.process_time() - cpu) / steps
+
+    rows: dict[str, list[float]] = {}
+    for _ in range(repeats):
+        rows.setdefault("fit loop, per step", []).append(
+            pyrobdl_step(x, y, batch, steps, "mean_field", {"elbo": "direct_compiled"}, 1)[0])
+        rows.setdefault("loss_and_step (draw + graph)", []).append(per_call(lambda: opt.loss_and_step(x, y, idx)))
+        with torch.no_grad():  # as loss_and_step calls it (grad mode is one of the graph's guards)
+            rows.setdefault("compiled graph alone", []).append(per_call(lambda: opt._fn(*args)))
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                rows.setdefault("compiled graph, guards skipped", []).append(per_call(lambda: opt._fn(*args)))
+    label = "full batch" if batch >= N else f"batch {batch}"
+    print(f"\ncompiled mean-field step, {label}: CPU us per call (median of {repeats}); load average {os.getloadavg()[0]:.1f}")
+    print("| part | CPU us |\n|---|---|")
+    for name, ts in rows.items():
+        print(f"| {name} | {1e6 * statistics.median(ts):.1f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
@@ -197,6 +234,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="*", default=[32, N])
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS), metavar="VARIANT")
     parser.add_argument("--numpyro", action="store_true", help="add NumPyro's jitted step and lax.scan rows")
+    parser.add_argument("--decompose", action="store_true", help="only: where a compiled mean-field step's time goes")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
@@ -205,6 +243,10 @@ def main() -> None:
     y = torch.sin(x[:, 0]) + 0.1 * torch.randn(N)
     print(f"torch {torch.__version__}, pyrobdl {pyrobdl.__version__}, threads={args.threads}, "
           f"repeats={args.repeats}, epochs/repeat={args.epochs} (>= {args.min_steps} steps), load average at start {os.getloadavg()[0]:.1f}")
+    if args.decompose:
+        for batch in args.batches:
+            decompose_compiled_step(x, y, batch, args.repeats)
+        return
     # warm-up: the first fit and the first torch step in a process pay one-off costs (a compiled
     # step compiles once per batch shape: its first fit's cost is printed, then excluded)
     plain_torch_step(x, y, 32, 30)

@@ -134,6 +134,7 @@ class FusedFlatAdam:
         self.compile = bool(compile)
         self.compile_seconds = 0.0
         self._fn: Any = None
+        self._data: tuple[Any, Any] = (None, None)
 
     @property
     def t(self) -> int:
@@ -181,7 +182,11 @@ class FusedFlatAdam:
         eps = None
         if self.loss_fn.family == "normal":  # the eager path's draw, from the same generator
             eps = torch.randn(self.loss_fn.num_particles, vec.shape[0] // 2, dtype=vec.dtype, device=vec.device)
-        if self._fn is not None:
+        if self._fn is not None and x is self._data[0] and y is self._data[1]:
+            return self._fn(vec, self.exp_avg, self.exp_avg_sq, self._hyper, idx, eps)
+        self._data = (x, y)  # the step is built for these data (the loop passes the same tensors every step)
+        if not self.compile:
+            self._fn = self._build(x, y, idx)
             return self._fn(vec, self.exp_avg, self.exp_avg_sq, self._hyper, idx, eps)
         start = time.perf_counter()
         try:
