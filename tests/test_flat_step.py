@@ -12,16 +12,17 @@ import pyro
 import pytest
 import torch
 from test_flat import TOL64, float64, make_data, make_model  # noqa: F401
+from test_flat_dropout import VD_CASES, vd_setup
 
 import pyrobdl
-from pyrobdl.guides import MAP, Dropout, MeanField
+from pyrobdl.guides import MAP, Dropout, MeanField, VariationalDropout
 from pyrobdl.inference import flat_step
 from pyrobdl.inference.elbo import make_elbo
 from pyrobdl.inference.flat_step import FusedFlatAdam
 from pyrobdl.inference.svi import PackedAdam
 
 CASES = [
-    # (guide, kl, likelihood, hidden, activation, particles)
+    # (guide, kl, likelihood, hidden, activation, particles); "mean_field_lrt": with local reparameterization
     ("mean_field", "analytic", "gaussian-1", (5,), "relu", 1),
     ("mean_field", "monte_carlo", "gaussian-2", (4, 3), "tanh", 1),
     ("mean_field", "analytic", "learned-1", (5,), "tanh", 3),
@@ -29,14 +30,38 @@ CASES = [
     ("mean_field", "analytic", "categorical-3", (5,), "relu", 1),
     ("map", "monte_carlo", "learned-1", (5,), "relu", 1),
     ("map", "monte_carlo", "categorical-3", (4, 3), "tanh", 1),
+    ("mean_field_lrt", "analytic", "learned-1", (4, 3), "relu", 2),
+    ("mean_field_lrt", "monte_carlo", "gaussian-1", (5,), "tanh", 1),
+    ("mean_field_lrt", "analytic", "categorical-3", (5,), "relu", 1),
+    ("dropout", "analytic", "gaussian-1", (5,), "relu", 1),
+    ("dropout", "monte_carlo", "learned-1", (4, 3), "tanh", 2),  # two packed vectors: the fallback's too
+    ("gaussian_dropout", "analytic", "categorical-3", (5,), "relu", 1),
+    # variational dropout: ("vd-<variant>-<local|weights>", kl, VD_CASES index, -, -, particles)
+    ("vd-sparse-local", "analytic", 0, None, None, 1),
+    ("vd-kingma-local", "analytic", 1, None, None, 2),
+    ("vd-ard-weights", "analytic", 2, None, None, 1),
+    ("vd-sparse-weights", "monte_carlo", 4, None, None, 3),
+    ("vd-kingma-weights", "monte_carlo", 3, None, None, 1),
 ]
 
 
 def _pair(case, dtype=torch.float64):
     guide_name, kl, lik, hidden, act, particles = case
+    if guide_name.startswith("vd-"):  # test_flat_dropout's variational dropout set-up (its spread of log alpha)
+        _, variant, local = guide_name.split("-")
+        model, guide = vd_setup(VD_CASES[lik], variant, local == "local", seed=1)
+        x, y = make_data(model, n=40, dtype=dtype)
+        ref = make_elbo(model, guide, kl=kl, num_particles=particles)
+        fused = make_elbo(model, copy.deepcopy(guide), elbo="direct_compiled", kl=kl, num_particles=particles)
+        return ref, fused, x, y
     model = make_model("per_layer", lik, hidden, act).to(dtype)
     x, y = make_data(model, n=40, dtype=dtype)
-    guide = (MeanField(model, init_scale=0.1) if guide_name == "mean_field" else MAP(model)).to(dtype)
+    if guide_name == "map":
+        guide = MAP(model).to(dtype)
+    elif guide_name.endswith("dropout"):
+        guide = Dropout(model, p=0.2, sigma=0.05, kind="bernoulli" if guide_name == "dropout" else "gaussian").to(dtype)
+    else:
+        guide = MeanField(model, init_scale=0.1, local_reparameterization=guide_name == "mean_field_lrt").to(dtype)
     ref = make_elbo(model, guide, kl=kl, num_particles=particles)
     fused = make_elbo(model, copy.deepcopy(guide), elbo="direct_compiled", kl=kl, num_particles=particles)
     return ref, fused, x, y
@@ -45,9 +70,9 @@ def _pair(case, dtype=torch.float64):
 def _run_both(ref, fused, x, y, steps, compile, minibatch=True):
     """The eager loop (FlatELBO.loss_and_grad, PackedAdam.step) and the fused step on the same
     minibatches and draws, with a changing learning rate and KL weight; losses [steps] and final vectors."""
-    (vec,) = ref.parameters_to_optimize()
-    start = vec.clone()
-    adam = PackedAdam([vec], lr=0.02)
+    vecs = ref.parameters_to_optimize()
+    start = torch.cat(vecs).clone()
+    adam = PackedAdam(vecs, lr=0.02)
     opt = FusedFlatAdam(fused, lr=0.02, compile=compile)
     g = torch.Generator().manual_seed(1)
     idxs = [torch.randperm(x.shape[0], generator=g)[:16] if minibatch else None for _ in range(steps)]
@@ -66,8 +91,8 @@ def _run_both(ref, fused, x, y, steps, compile, minibatch=True):
                 losses.append(opt.loss_and_step(x, y, idx))
         out.append(torch.stack(losses))
     assert opt.t == steps
-    assert float((vec - start).abs().max()) > 1e-3  # the parameters moved
-    return out[0], out[1], vec, opt.vector
+    assert float((torch.cat(vecs) - start).abs().max()) > 1e-3  # the parameters moved
+    return out[0], out[1], torch.cat(vecs), torch.cat(opt.params)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
@@ -100,7 +125,8 @@ def test_fused_step_equals_torch_adam_on_the_per_site_parameters(float64):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[5]], ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[5], CASES[7], CASES[11], CASES[14], CASES[16]],
+                         ids=lambda c: "-".join(map(str, c)))
 def test_compiled_fused_step_equals_flat_elbo_and_packed_adam(float64, case):
     """Compiled (Inductor may reorder sums and fuse): equal to float64 rounding over 40 steps,
     minibatch and full batch (two graph shapes)."""
@@ -145,28 +171,39 @@ def test_fit_through_the_fused_step_equals_the_flat_fit(float64, monkeypatch):
     x, y = make_data(model, n=60)
     opts = dict(num_steps=120, lr=1e-2, batch_size=16, lr_schedule="linear", kl_warmup=30, average_last=0.3,
                 progress=False, seed=2)
-    for method in ("mean_field", "map"):
-        a = pyrobdl.fit(model, x, y, method, **opts)
-        b = pyrobdl.fit(model, x, y, method, elbo="direct_compiled", **opts)
+    for method, extra in (("mean_field", {}), ("mean_field", {"local_reparameterization": True}), ("map", {}),
+                          ("dropout", {}), ("gaussian_dropout", {})):
+        a = pyrobdl.fit(model, x, y, method, **opts, **extra)
+        b = pyrobdl.fit(model, x, y, method, elbo="direct_compiled", **opts, **extra)
+        assert abs(a.history - b.history).max() < TOL64 * abs(a.history).max()
+        va = torch.cat([p.detach().reshape(-1) for p in a.guide.parameters()])
+        vb = torch.cat([p.detach().reshape(-1) for p in b.guide.parameters()])
+        assert float((va - vb).abs().max() / va.abs().max()) < TOL64
+        assert b.settings["elbo"] == "direct_compiled"
+    vd = pyrobdl.BayesianMLP(3, (5,), 1, activation="tanh", prior=pyrobdl.priors.LogUniform())
+    for local in (True, False):
+        a = pyrobdl.fit(vd, x, y, "variational_dropout", local_reparameterization=local, **opts)
+        b = pyrobdl.fit(vd, x, y, "variational_dropout", local_reparameterization=local, elbo="direct_compiled", **opts)
         assert abs(a.history - b.history).max() < TOL64 * abs(a.history).max()
         va, vb = a.guide.packed("params"), b.guide.packed("params")
         assert float((va - vb).abs().max() / va.abs().max()) < TOL64
-        assert b.settings["elbo"] == "direct_compiled"
 
 
 def test_what_the_fused_step_cannot_run_is_refused_by_name():
     model = pyrobdl.BayesianMLP(2, (3,), 1)
     x, y = torch.randn(20, 2), torch.randn(20)
-    with pytest.raises(ValueError, match="local_reparameterization"):
-        pyrobdl.fit(model, x, y, "mean_field", elbo="direct_compiled", local_reparameterization=True,
-                    num_steps=2, progress=False)
-    with pytest.raises(ValueError, match="family 'dropout' has no fused step"):
-        FusedFlatAdam(make_elbo(model, Dropout(model), elbo="direct_compiled"), lr=0.01)
+    with pytest.raises(ValueError, match="direct_compiled.*flat path.*Monte Carlo KL"):
+        pyrobdl.fit(model, x, y, "gaussian_dropout", elbo="direct_compiled", kl="monte_carlo", num_steps=2, progress=False)
+    with pytest.raises(ValueError, match="DirectELBO is not pyrobdl's flat ELBO"):
+        FusedFlatAdam(make_elbo(model, MeanField(model), elbo="distributions"), lr=0.01)
     with pytest.raises(ValueError, match="direct_compiled.*flat path"):
         pyrobdl.fit(model, x, y, "bbvi", elbo="direct_compiled", num_steps=2, progress=False)
     vd = pyrobdl.BayesianMLP(2, (3,), 1, prior=pyrobdl.priors.LogUniform())
-    with pytest.raises(ValueError, match="variational_dropout"):
-        pyrobdl.fit(vd, x, y, "variational_dropout", elbo="direct_compiled", num_steps=2, progress=False)
+    vd_guide = VariationalDropout(vd)
+    with torch.no_grad():
+        vd_guide.layers_0_weight_mask[0, 0] = 0.0  # pruned: no flat form
+    with pytest.raises(ValueError, match="direct_compiled.*flat path"):
+        make_elbo(vd, vd_guide, elbo="direct_compiled")
 
 
 def test_new_data_rebuild_the_step(float64):

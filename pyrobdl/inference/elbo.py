@@ -177,8 +177,8 @@ def make_elbo(
         categorical likelihood), otherwise :class:`DirectELBO`.  ``"direct_compiled"``: the flat
         ELBO always (an error where it cannot run), whose whole step — ELBO, gradient and Adam
         update — the SVI loop compiles into one graph
-        (:class:`~pyrobdl.inference.flat_step.FusedFlatAdam`; mean field without local
-        reparameterization, and MAP).  ``"distributions"``:
+        (:class:`~pyrobdl.inference.flat_step.FusedFlatAdam`; mean field, with or without local
+        reparameterization, MAP and variational dropout).  ``"distributions"``:
         :class:`DirectELBO` always.  Or Pyro's ``Trace_ELBO`` family; ``"trace_graph"`` is
         :class:`~pyrobdl.inference.ScoreFunctionELBO`, Pyro's ``TraceGraph_ELBO`` with the
         particle baselines added, and ``"direct_score_function"`` its trace-free fast path for

@@ -338,7 +338,7 @@ def normal_loss_and_grad(
     if preactivations is not None:  # the weights reach the likelihood through sampled pre-activations, not theta
         from .flat_dropout import _lrt_likelihood
 
-        ll, g_mu, g_var, g = _lrt_likelihood(plan, lj, loc, sigma * sigma, theta, subsample, preactivations)
+        ll, g_mu, g_var, g = _lrt_likelihood(plan, lj, loc, sigma * sigma, theta, subsample, preactivations, functional)
     elif functional:
         ll, g = lj._value_and_grad(theta, subsample, False, functional=True)
     else:

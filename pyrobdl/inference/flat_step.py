@@ -6,10 +6,13 @@ computes the negative ELBO and its gradient without autograd, over one packed ve
 batch 32 on the 1 x 50 benchmark BNN the arithmetic is tiny and the step is some 80 eager torch
 operations, each paying the dispatcher.  :class:`FusedFlatAdam` compiles the same operations —
 :func:`~pyrobdl.inference.flat_elbo.normal_loss_and_grad` (or
-:func:`~pyrobdl.inference.flat_elbo.delta_loss_and_grad` for MAP) and the Adam update — into one
-graph, called once per step.  Outside it stay only what must be equal to the eager path draw for
-draw: the step's standard normals (``torch.randn``, the same call as the eager path, so both
-consume the global generator identically) and the minibatch indices of the loop.
+:func:`~pyrobdl.inference.flat_elbo.delta_loss_and_grad` for MAP,
+:func:`~pyrobdl.inference.flat_dropout.vd_loss_and_grads` for variational dropout) and the Adam
+update — into one graph, called once per step.  Outside it stay only what must be equal to the
+eager path draw for draw: the step's normal draws (the same calls as the eager path —
+``torch.randn``, :func:`~pyrobdl.inference.flat_dropout.normal_lrt_noise`,
+:func:`~pyrobdl.inference.flat_dropout.vd_noise` — so both consume the global generator
+identically) and the minibatch indices of the loop.
 
 The learning rate, the KL weight :math:`\beta` and Adam's step count live in one float64 tensor
 ``[lr, t, beta]`` read inside the graph (a Python float would be baked into the graph and force a
@@ -24,11 +27,13 @@ from __future__ import annotations
 
 import time
 import warnings
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from ..flat.compiled import _compiled_entry
+from .flat_dropout import dropout_loss_and_grads, dropout_noise, normal_lrt_noise, vd_loss_and_grads, vd_noise
 from .flat_elbo import FlatELBO, delta_loss_and_grad, normal_loss_and_grad
 
 __all__ = ["FusedFlatAdam", "fused_support"]
@@ -49,45 +54,58 @@ def fused_support(loss_fn: Any) -> str | None:
     """
     if not isinstance(loss_fn, FlatELBO):
         return f"the loss {type(loss_fn).__name__} is not pyrobdl's flat ELBO (the model or guide has no flat form)"
-    if loss_fn.family not in ("normal", "delta"):
-        return f"the guide's family {loss_fn.family!r} has no fused step (mean_field and map have)"
-    if loss_fn.family == "normal" and getattr(loss_fn.guide, "local_reparameterization", False):
-        return "mean field with local_reparameterization=True has no fused step"
     return None
 
 
 def _fused_step(
     lj: Any,
-    kl_terms: tuple[torch.Tensor, float, bool] | None,
-    vec: torch.Tensor,
-    m: torch.Tensor,
-    v: torch.Tensor,
+    terms: Any,
+    vecs: list[torch.Tensor],
+    ms: list[torch.Tensor],
+    vs: list[torch.Tensor],
     hyper: torch.Tensor,
     idx: torch.Tensor | None,
-    eps: torch.Tensor | None,
+    noise: dict,
+    plan: Any,
     betas: tuple[float, float, float],
 ) -> torch.Tensor:
-    """One step: the loss and gradient at ``vec``, then Adam's update of ``vec``, ``m``, ``v``, ``hyper[1]``."""
+    """One step: the loss and gradients at ``vecs``, then Adam's update of ``vecs``, ``ms``, ``vs``, ``hyper[1]``.
+
+    ``terms``: the family and what its objective reads besides the data (a plain namespace, not
+    the guide module, so that Dynamo guards on values); ``noise``: the step's draws, as the eager
+    path draws them; ``plan``: the family's index plan (:mod:`pyrobdl.inference.flat_dropout`) or None.
+    """
     b1, b2, adam_eps = betas
-    p = vec.shape[0] if kl_terms is None else vec.shape[0] // 2
+    vec = vecs[0]
     beta = hyper[2].to(vec.dtype)
-    if kl_terms is None:  # a point mass (MAP)
+    if terms.family == "normal":
+        p = vec.shape[0] // 2
+        loss, grad = normal_loss_and_grad(lj, terms.kl_terms, vec[:p], vec[p:], noise["eps"], idx, beta, plan,
+                                          noise.get("preactivations"), functional=True)
+        grads = [grad]
+    elif terms.family == "delta":  # a point mass (MAP)
         loss, grad = delta_loss_and_grad(lj, vec, idx, beta, functional=True)
-    else:
-        loss, grad = normal_loss_and_grad(lj, kl_terms, vec[:p], vec[p:], eps, idx, beta, functional=True)
+        grads = [grad]
+    elif terms.family == "variational_dropout":
+        loss, grads = vd_loss_and_grads(terms, plan, lj, vec[: lj.size], vec[lj.size :], noise, idx,
+                                        terms.analytic_kl, beta, functional=True)
+    else:  # MC dropout: the means, and the learned precision's [loc, rho] when there is one
+        fallback = vecs[1] if len(vecs) > 1 else None
+        loss, grads = dropout_loss_and_grads(terms, plan, lj, vec, fallback, noise, idx,
+                                             terms.analytic_kl, beta, functional=True)
     t = hyper[1] + 1.0
     hyper[1] = t
     step_size = (hyper[0] / (1.0 - b1**t)).to(vec.dtype)
     bc2_sqrt = torch.sqrt(1.0 - b2**t).to(vec.dtype)
-    # PackedAdam.step's operations
-    m.lerp_(grad, 1.0 - b1)
-    v.mul_(b2).addcmul_(grad, grad, value=1.0 - b2)
-    vec.sub_(step_size * m / (v.sqrt() / bc2_sqrt + adam_eps))
+    for p_, g, m, v in zip(vecs, grads, ms, vs):  # PackedAdam.step's operations
+        m.lerp_(g, 1.0 - b1)
+        v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
+        p_.sub_(step_size * m / (v.sqrt() / bc2_sqrt + adam_eps))
     return loss
 
 
 class FusedFlatAdam:
-    r"""Adam over a flat guide's packed vector, fused with the flat ELBO's step (optionally compiled).
+    r"""Adam over a flat guide's packed vectors, fused with the flat ELBO's step (optionally compiled).
 
     The SVI loop's optimizer for ``elbo="direct_compiled"``: :meth:`loss_and_step` computes the
     negative ELBO and its gradient and applies Adam's update (:math:`\beta = (0.9, 0.999)`,
@@ -97,7 +115,8 @@ class FusedFlatAdam:
     Parameters
     ----------
     loss_fn : FlatELBO
-        A flat ELBO of a mean-field (without local reparameterization) or MAP guide.
+        A flat ELBO (every family: mean field with or without local reparameterization, MAP,
+        MC dropout, variational dropout).
     lr : float
         Learning rate; ``param_groups[0]["lr"]`` may be changed between steps, as with torch.
     compile : bool, default True
@@ -106,6 +125,8 @@ class FusedFlatAdam:
 
     Attributes
     ----------
+    params : list of torch.Tensor
+        The packed vectors it updates (views of the guide's parameters).
     compile_seconds : float
         Wall seconds the first (compiling) call took; 0 before it.
 
@@ -123,11 +144,11 @@ class FusedFlatAdam:
         if reason is not None:
             raise ValueError(f"elbo='direct_compiled' cannot run: {reason}; use elbo='direct'")
         self.loss_fn = loss_fn
-        (self.vector,) = loss_fn.parameters_to_optimize()
-        self.params = [self.vector]
+        self.params = list(loss_fn.parameters_to_optimize())
+        self.vector = self.params[0]
         self.param_groups = [{"lr": float(lr)}]
-        self.exp_avg = torch.zeros_like(self.vector)
-        self.exp_avg_sq = torch.zeros_like(self.vector)
+        self.exp_avg = [torch.zeros_like(p) for p in self.params]
+        self.exp_avg_sq = [torch.zeros_like(p) for p in self.params]
         self._hyper = torch.tensor([float(lr), 0.0, float(loss_fn.kl_weight)], dtype=torch.float64,
                                    device=self.vector.device)
         self._lr, self._beta = float(lr), float(loss_fn.kl_weight)
@@ -141,27 +162,56 @@ class FusedFlatAdam:
         """Adam's step count."""
         return int(self._hyper[1])
 
+    def _terms(self) -> SimpleNamespace:
+        """The family and what its objective reads of the guide and the ELBO, as plain values."""
+        elbo, g = self.loss_fn, self.loss_fn.guide
+        terms = SimpleNamespace(family=elbo.family, analytic_kl=elbo.analytic_kl)
+        if elbo.family == "normal":
+            terms.kl_terms = elbo._kl_terms()
+        elif elbo.family == "variational_dropout":
+            terms.sparse, terms.approximation = bool(g.sparse), g.approximation
+            terms.local_reparameterization = bool(g.local_reparameterization)
+        elif elbo.family == "dropout":
+            terms.sigma, terms.kind = float(g.sigma), g.kind
+        return terms
+
+    def _noise(self, batch: int) -> dict:
+        """The step's draws, by the eager path's own functions (the same generator calls in the same order)."""
+        elbo = self.loss_fn
+        s, lj, plan = elbo.num_particles, elbo._lj, elbo._plan
+        if elbo.family == "variational_dropout":
+            return vd_noise(elbo.guide, plan, s, batch, lj)
+        if elbo.family == "dropout":
+            return dropout_noise(elbo.guide, plan, s, lj)
+        if elbo.family == "normal" and plan is not None:  # local reparameterization
+            return normal_lrt_noise(plan, s, batch, lj)
+        if elbo.family == "normal":
+            v = self.vector
+            return {"eps": torch.randn(s, v.shape[0] // 2, dtype=v.dtype, device=v.device)}
+        return {}
+
     def _build(self, x: torch.Tensor, y: torch.Tensor, idx: torch.Tensor | None) -> Any:
         elbo = self.loss_fn
         lj = elbo._log_joint(x, y)
-        kl_terms = elbo._kl_terms() if elbo.family == "normal" else None
+        terms, plan = self._terms(), elbo._plan  # plan: NormalLRTPlan, DropoutPlan, VDPlan or None
         betas = (0.9, 0.999, 1e-8)
 
-        def step(vec, m, v, hyper, idx, eps):
-            return _fused_step(lj, kl_terms, vec, m, v, hyper, idx, eps, betas)
+        def step(vecs, ms, vs, hyper, idx, noise):
+            return _fused_step(lj, terms, vecs, ms, vs, hyper, idx, noise, plan, betas)
 
         if not self.compile:
             return step
         # one code object per kind of step (Dynamo's limit of 8 recompilations is per code
         # object); the data and the packed vectors are graph inputs, so fits of the same shapes
         # (another seed, another split) reuse the compiled graph; the Python numbers the graph
-        # bakes in (prior and likelihood constants) are part of the key
+        # bakes in (prior, likelihood and guide constants) are part of the key
         consts = (lj._prior_const, getattr(lj, "_tau", None), getattr(lj, "_a", None), getattr(lj, "_b", None),
-                  None if kl_terms is None else kl_terms[1:])
-        key = ("svi_step", elbo.family, consts, elbo.num_particles, tuple(lj._x1.shape),
-               tuple(lj.y.shape), lj.y.dtype, lj.dtype, str(lj.device), tuple(elbo.model.hidden),
-               elbo.model.out_features, lj._act, type(elbo.model.likelihood).__name__, lj.layout.size,
-               None if idx is None else tuple(idx.shape))
+                  repr(sorted((k, v) for k, v in vars(terms).items() if k != "kl_terms")),
+                  terms.kl_terms[1:] if elbo.family == "normal" else None)
+        key = ("svi_step", consts, elbo.num_particles, tuple(lj._x1.shape), tuple(lj.y.shape), lj.y.dtype, lj.dtype,
+               str(lj.device), tuple(elbo.model.hidden), elbo.model.out_features, lj._act,
+               type(elbo.model.likelihood).__name__, lj.layout.size, tuple(p.numel() for p in self.params),
+               None if idx is None else tuple(idx.shape), type(plan).__name__)
         return torch.compile(_compiled_entry(step, key), dynamic=False)
 
     @torch.no_grad()
@@ -178,16 +228,17 @@ class FusedFlatAdam:
         if lr != self._lr or beta != self._beta:
             self._hyper[0], self._hyper[2] = lr, beta
             self._lr, self._beta = lr, beta
-        vec = self.vector
-        eps = None
-        if self.loss_fn.family == "normal":  # the eager path's draw, from the same generator
-            eps = torch.randn(self.loss_fn.num_particles, vec.shape[0] // 2, dtype=vec.dtype, device=vec.device)
-        if self._fn is not None and x is self._data[0] and y is self._data[1]:
-            return self._fn(vec, self.exp_avg, self.exp_avg_sq, self._hyper, idx, eps)
-        self._data = (x, y)  # the step is built for these data (the loop passes the same tensors every step)
+        if self._fn is None or x is not self._data[0] or y is not self._data[1]:
+            # the step is built for these data (the loop passes the same tensors every step)
+            self._fn, self._data = None, (x, y)
+            self.loss_fn._log_joint(x, y)
+        args = (self.params, self.exp_avg, self.exp_avg_sq, self._hyper, idx,
+                self._noise(x.shape[0] if idx is None else idx.shape[-1]))
+        if self._fn is not None:
+            return self._fn(*args)
         if not self.compile:
             self._fn = self._build(x, y, idx)
-            return self._fn(vec, self.exp_avg, self.exp_avg_sq, self._hyper, idx, eps)
+            return self._fn(*args)
         start = time.perf_counter()
         try:
             with warnings.catch_warnings():
@@ -195,7 +246,7 @@ class FusedFlatAdam:
                 warnings.simplefilter("ignore", DeprecationWarning)
                 warnings.filterwarnings("ignore", message=".*TensorFloat32 tensor cores", category=UserWarning)
                 self._fn = self._build(x, y, idx)
-                loss = self._fn(vec, self.exp_avg, self.exp_avg_sq, self._hyper, idx, eps)
+                loss = self._fn(*args)
         except Exception as err:  # torch's compiler raises many types (BackendCompilerFailed, ...)
             self._fn = None
             raise RuntimeError(f"torch.compile of the SVI step failed on this machine ({type(err).__name__}: "
