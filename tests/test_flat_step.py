@@ -125,7 +125,9 @@ def test_fused_step_equals_torch_adam_on_the_per_site_parameters(float64):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[5], CASES[7], CASES[11], CASES[14], CASES[16]],
+# one case per family, the cheapest to compile (Inductor needed 2.5–5 minutes for two-layer local
+# reparameterization with 2 particles on this project's loaded 2-core machine)
+@pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[5], CASES[9], CASES[11], CASES[13], CASES[16]],
                          ids=lambda c: "-".join(map(str, c)))
 def test_compiled_fused_step_equals_flat_elbo_and_packed_adam(float64, case):
     """Compiled (Inductor may reorder sums and fuse): equal to float64 rounding over 40 steps,

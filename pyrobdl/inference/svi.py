@@ -227,7 +227,8 @@ def optimize(
     check; ``optimizer.step()``; Polyak averaging over the last ``average_last`` fraction of
     steps.  An optimizer with ``updates_in_step = True``
     (:class:`~pyrobdl.inference.flat_step.FusedFlatAdam`) is not stepped: ``step_fn`` applied its
-    update with the loss (a finiteness check then sees parameters one update further on).  At the end the averaged parameters (when averaging is on) are copied into ``params``.
+    update with the loss (a finiteness check then sees parameters one update further on).  At
+    the end the averaged parameters (when averaging is on) are copied into ``params``.
 
     Parameters
     ----------
