@@ -205,8 +205,7 @@ def decompose_compiled_step(x: torch.Tensor, y: torch.Tensor, batch: int, repeat
     opt = FusedFlatAdam(make_elbo(model, MeanField(model), elbo="direct_compiled"), lr=1e-3)
     idx = None if batch >= N else torch.randperm(N)[:batch]
     opt.loss_and_step(x, y, idx)
-    eps = torch.randn(1, opt.vector.shape[0] // 2)
-    args = (opt.vector, opt.exp_avg, opt.exp_avg_sq, opt._hyper, idx, eps)
+    args = (opt.params, opt.exp_avg, opt.exp_avg_sq, opt._hyper, idx, opt._noise(N if idx is None else batch))
 
     def per_call(fn: Callable[[], Any]) -> float:
         cpu = time.process_time()
