@@ -30,7 +30,7 @@ from .score_function_elbo import ScoreFunctionELBO
 __all__ = ["DirectELBO", "ELBOS", "KL_TREATMENTS", "PyroELBO", "make_elbo"]
 
 #: Values of the ``elbo`` option of SVI methods.
-ELBOS = ("direct", "distributions", "trace", "jit_trace", "trace_graph", "direct_score_function")
+ELBOS = ("direct", "direct_compiled", "distributions", "trace", "jit_trace", "trace_graph", "direct_score_function")
 #: Values of the ``kl`` option of SVI methods.
 KL_TREATMENTS = ("analytic", "monte_carlo")
 
@@ -170,11 +170,15 @@ def make_elbo(
     ----------
     model, guide
         Model and guide.
-    elbo : {"direct", "distributions", "trace", "jit_trace", "trace_graph", "direct_score_function"}
+    elbo : {"direct", "direct_compiled", "distributions", "trace", "jit_trace", "trace_graph", "direct_score_function"}
         Estimator.  ``"direct"``: pyrobdl's own hot path — the flat
         :class:`~pyrobdl.inference.flat_elbo.FlatELBO` when the guide has a packed family and the
         model is one the flat log joint implements (Gaussian prior, relu/tanh, Gaussian or
-        categorical likelihood), otherwise :class:`DirectELBO`.  ``"distributions"``:
+        categorical likelihood), otherwise :class:`DirectELBO`.  ``"direct_compiled"``: the flat
+        ELBO always (an error where it cannot run), whose whole step — ELBO, gradient and Adam
+        update — the SVI loop compiles into one graph
+        (:class:`~pyrobdl.inference.flat_step.FusedFlatAdam`; mean field, with or without local
+        reparameterization, MAP and variational dropout).  ``"distributions"``:
         :class:`DirectELBO` always.  Or Pyro's ``Trace_ELBO`` family; ``"trace_graph"`` is
         :class:`~pyrobdl.inference.ScoreFunctionELBO`, Pyro's ``TraceGraph_ELBO`` with the
         particle baselines added, and ``"direct_score_function"`` its trace-free fast path for
@@ -204,11 +208,14 @@ def make_elbo(
         )
     if kl not in KL_TREATMENTS:
         raise ValueError(f"unknown kl {kl!r}; valid: {list(KL_TREATMENTS)}")
-    if elbo == "direct":
+    if elbo in ("direct", "direct_compiled"):
         from .flat_elbo import FlatELBO, flat_support
 
-        if flat_support(model, guide, kl == "analytic") is None:
+        reason = flat_support(model, guide, kl == "analytic")
+        if reason is None:
             return FlatELBO(model, guide, num_particles=num_particles, analytic_kl=kl == "analytic")
+        if elbo == "direct_compiled":
+            raise ValueError(f"elbo='direct_compiled' needs the flat path, which cannot run: {reason}; use elbo='direct'")
         return DirectELBO(model, guide, num_particles=num_particles, analytic_kl=kl == "analytic")
     if elbo == "distributions":
         return DirectELBO(model, guide, num_particles=num_particles, analytic_kl=kl == "analytic")

@@ -170,7 +170,8 @@ def dropout_loss_and_grads(
     noise: dict,
     idx: torch.Tensor | None,
     analytic_kl: bool,
-    beta: float,
+    beta: Any,
+    functional: bool = False,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Negative ELBO of a :class:`~pyrobdl.guides.Dropout` guide and its exact gradient.
 
@@ -190,8 +191,11 @@ def dropout_loss_and_grads(
         Minibatch indices (the likelihood is scaled by N/B).
     analytic_kl : bool
         Closed-form KLs (else the Monte Carlo KL with the exact mixture density; Bernoulli rows only).
-    beta : float
-        KL weight.
+    beta : float or torch.Tensor
+        KL weight (a 0-d tensor in the compiled step).
+    functional : bool, default False
+        No ``out=`` writes (for ``torch.compile``, :mod:`pyrobdl.inference.flat_step`); ``guide``
+        may then be any object with the guide's ``sigma`` and ``kind``.
 
     Returns
     -------
@@ -210,12 +214,18 @@ def dropout_loss_and_grads(
     ones = torch.ones(s, 1, dtype=mult.dtype, device=mult.device)
     c = torch.cat([mult, ones], 1)[:, plan.col]  # [S, P_w]: each coordinate's multiplier
     theta = torch.empty_like(eps)
-    torch.addcmul(eps[:, :p_w] * sigma, c, m, out=theta[:, :p_w])
+    if functional:
+        theta[:, :p_w] = torch.addcmul(eps[:, :p_w] * sigma, c, m)
+    else:
+        torch.addcmul(eps[:, :p_w] * sigma, c, m, out=theta[:, :p_w])
     u = lj.precision_index
     if u is not None:
         loc_u, rho_u = fallback[0], fallback[1]
         theta[:, u] = loc_u + torch.nn.functional.softplus(rho_u) * eps[:, u]
-    ll, g = lj.value_and_grad(theta, idx, prior=False)
+    if functional:
+        ll, g = lj._value_and_grad(theta, idx, False, functional=True)
+    else:
+        ll, g = lj.value_and_grad(theta, idx, prior=False)
     if analytic_kl:
         norm = None
         if guide.kind == "gaussian":
@@ -389,10 +399,12 @@ def _lrt_likelihood(
     theta: torch.Tensor,
     idx: torch.Tensor | None,
     noise: list[torch.Tensor],
+    functional: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     r"""Scaled log-likelihood ``[S]`` under locally reparameterized weights, and its gradients:
     in the weight means ``[P]`` and variances ``[P_s]`` (summed over particles), and in the
     per-particle coordinates of ``theta`` (biases and a learned precision) ``[S, P]``.
+    ``functional``: no ``out=`` writes (for ``torch.compile``, :mod:`pyrobdl.inference.flat_step`).
 
     Layer :math:`l`: :math:`a = h\mu^\top + b + \sqrt{v}\odot\epsilon`, :math:`v = h^2 s^\top`;
     backward with :math:`g = \partial a`: :math:`\partial\mu = g^\top h`,
@@ -421,7 +433,10 @@ def _lrt_likelihood(
         # d sd/d v = 1/(2 sd) where v > floor, 0 where clamp_min held it (its derivative; at
         # v == floor exactly torch's clamp passes the gradient, a case of measure zero), one op
         half_inv_sd = sd.reciprocal().mul_(0.5)
-        torch.ops.aten.threshold_backward.grad_input(half_inv_sd, v, _VAR_FLOOR, grad_input=half_inv_sd)
+        if functional:
+            half_inv_sd = torch.ops.aten.threshold_backward(half_inv_sd, v, _VAR_FLOOR)
+        else:
+            torch.ops.aten.threshold_backward.grad_input(half_inv_sd, v, _VAR_FLOOR, grad_input=half_inv_sd)
         saved.append((h, h2, half_inv_sd))
         if i < last:
             h = a.relu_() if relu else a.tanh_()
@@ -462,7 +477,8 @@ def vd_loss_and_grads(
     noise: dict,
     idx: torch.Tensor | None,
     analytic_kl: bool,
-    beta: float,
+    beta: Any,
+    functional: bool = False,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Negative ELBO of a :class:`~pyrobdl.guides.VariationalDropout` guide and its exact gradient.
 
@@ -482,8 +498,10 @@ def vd_loss_and_grads(
         Minibatch indices (the likelihood is scaled by N/B).
     analytic_kl : bool
         The guide's log-uniform KL approximation (else the Monte Carlo KL).
-    beta : float
-        KL weight.
+    beta : float or torch.Tensor
+        KL weight (a 0-d tensor in the compiled step).
+    functional : bool, default False
+        No ``out=`` writes (for ``torch.compile``, :mod:`pyrobdl.inference.flat_step`).
 
     Returns
     -------
@@ -513,8 +531,10 @@ def vd_loss_and_grads(
     theta = torch.addcmul(loc, sigma, eps)  # [S, P]; point sites have sigma = 0
     local = guide.local_reparameterization
     if local:
-        ll, g_mu, g_var, g = _lrt_likelihood(plan, lj, loc, sig_s * sig_s, theta, idx, noise["preactivations"])
+        ll, g_mu, g_var, g = _lrt_likelihood(plan, lj, loc, sig_s * sig_s, theta, idx, noise["preactivations"], functional)
         g_mu, g_var = g_mu / s, g_var / s
+    elif functional:
+        ll, g = lj._value_and_grad(theta, idx, False, functional=True)
     else:
         ll, g = lj.value_and_grad(theta, idx, prior=False)
     # G: d(loss)/dw per particle and coordinate (w = theta), before the chain rule to the

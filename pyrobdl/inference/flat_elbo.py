@@ -60,7 +60,7 @@ import torch
 
 from ..flat import FlatLogJoint
 
-__all__ = ["FlatELBO", "flat_support"]
+__all__ = ["FlatELBO", "delta_loss_and_grad", "flat_support", "normal_loss_and_grad"]
 
 _HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
 
@@ -280,63 +280,117 @@ class FlatELBO(torch.nn.Module):
         preactivations: list[torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.family == "delta":
-            theta = self._params["loc"]
-            ll, g = lj.value_and_grad(theta.unsqueeze(0), subsample, prior=False)
-            lp, gp = lj.log_prior(theta.unsqueeze(0))
-            u = lj.precision_index
-            if u is not None:  # a Delta guide scores the prior of tau itself: no log-Jacobian u
-                lp = lp - theta[u]
-                gp[:, u] -= 1.0
-            if beta != 1.0:
-                lp, gp = beta * lp, gp.mul_(beta)
-            return -(ll[0] + lp[0]), gp[0].add_(g[0]).neg_()
+            return delta_loss_and_grad(lj, self._params["loc"], subsample, beta)
         loc, rho = self._params["loc"], self._params["scale"]
-        s = self.num_particles
-        eps = torch.randn(s, loc.shape[0], dtype=loc.dtype, device=loc.device) if noise is None else noise
-        sigma = torch.nn.functional.softplus(rho)
-        theta = torch.addcmul(loc, sigma, eps)  # [S, P]
-        if preactivations is None:
-            ll, g = lj.value_and_grad(theta, subsample, prior=False)
-        else:  # the weights reach the likelihood through sampled pre-activations, not theta
-            from .flat_dropout import _lrt_likelihood
+        eps = torch.randn(self.num_particles, loc.shape[0], dtype=loc.dtype, device=loc.device) if noise is None else noise
+        return normal_loss_and_grad(lj, self._kl_terms(), loc, rho, eps, subsample, beta, self._plan, preactivations)
 
-            ll, g_mu, g_var, g = _lrt_likelihood(self._plan, lj, loc, sigma * sigma, theta, subsample, preactivations)
-        log_sigma_sum = sigma.log().sum()
-        if self.analytic_kl:
-            prec = self._prec
-            # closed form where the prior is Gaussian (prec > 0); where prec = 0 these
-            # expressions reduce to the -log(sigma) and -1/sigma of the Monte Carlo term
-            kl = self._kl_const - log_sigma_sum + 0.5 * (prec * (sigma * sigma + loc * loc)).sum()
-            d_loc = prec * loc
-            d_sigma = prec * sigma - sigma.reciprocal()
-            u = lj.precision_index
-            if u is not None:  # Monte Carlo for the learned precision u = log tau (Gamma prior)
-                e = eps[:, u]
-                lp, gp = lj.precision_log_prior(theta)  # Gamma + log-Jacobian, and d/du
-                kl = kl - 0.5 * e * e - _HALF_LOG_2PI - lp
-                d_loc[u] -= gp.mean()
-                d_sigma[u] -= (gp * e).mean()
-        else:
-            lp, gp = lj.log_prior(theta)
-            kl = -0.5 * (eps * eps).sum(-1) - log_sigma_sum - loc.shape[0] * _HALF_LOG_2PI - lp
-            d_loc = gp.mean(0).neg_()
-            d_sigma = (gp * eps).mean(0).neg_().sub_(sigma.reciprocal())
-        if s == 1:
-            g_loc, g_sigma = g[0], g[0] * eps[0]
-        else:
-            g_loc, g_sigma = g.mean(0), (g * eps).mean(0)
-        if preactivations is not None:  # g is zero at the weights: their terms come from the LRT
-            for wsl, _, _, _ in self._plan.weights:
-                g_loc[wsl] += g_mu[wsl] / s
-                g_sigma[wsl] += (2.0 / s) * sigma[wsl] * g_var[wsl]
-        if beta != 1.0:
-            d_loc.mul_(beta)
-            d_sigma.mul_(beta)
-        grad = torch.empty(2 * loc.shape[0], dtype=loc.dtype, device=loc.device)
-        torch.sub(d_loc, g_loc, out=grad[: loc.shape[0]])
-        torch.mul(d_sigma.sub_(g_sigma), torch.sigmoid(rho), out=grad[loc.shape[0] :])
-        loss = (beta * kl - ll).mean() if beta != 1.0 else (kl - ll).mean()
-        return loss, grad
+    def _kl_terms(self) -> tuple[torch.Tensor, float, bool]:
+        """The prior precisions, the closed-form KL's constant and whether the KL is analytic."""
+        return self._prec, self._kl_const, self.analytic_kl
+
+
+def delta_loss_and_grad(
+    lj: FlatLogJoint, theta: torch.Tensor, subsample: torch.Tensor | None, beta: Any, functional: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""A point-mass guide's loss :math:`-[A(\theta) + \beta \log p(c(\theta))]` ``[]`` and its gradient ``[P]``.
+
+    ``beta`` may be a 0-d tensor; ``functional``: no ``out=`` writes and no branch on ``beta``
+    (for ``torch.compile``, :mod:`pyrobdl.inference.flat_step`).
+    """
+    if functional:
+        ll, g = lj._value_and_grad(theta.unsqueeze(0), subsample, False, functional=True)
+    else:
+        ll, g = lj.value_and_grad(theta.unsqueeze(0), subsample, prior=False)
+    lp, gp = lj.log_prior(theta.unsqueeze(0))
+    u = lj.precision_index
+    if u is not None:  # a Delta guide scores the prior of tau itself: no log-Jacobian u
+        lp = lp - theta[u]
+        gp[:, u] -= 1.0
+    if functional or beta != 1.0:
+        lp, gp = beta * lp, gp.mul_(beta)
+    return -(ll[0] + lp[0]), gp[0].add_(g[0]).neg_()
+
+
+def normal_loss_and_grad(
+    lj: FlatLogJoint,
+    kl_terms: tuple[torch.Tensor, float, bool],
+    loc: torch.Tensor,
+    rho: torch.Tensor,
+    eps: torch.Tensor,
+    subsample: torch.Tensor | None,
+    beta: Any,
+    plan: Any = None,
+    preactivations: list[torch.Tensor] | None = None,
+    functional: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""A mean-field guide's negative ELBO ``[]`` and its gradient in ``[loc, rho]`` ``[2P]``.
+
+    ``kl_terms``: (prior precisions ``[P]``, the closed-form KL's constant, analytic or Monte
+    Carlo KL); ``eps`` ``[S, P]``: the standard normals of the step; ``plan`` and
+    ``preactivations``: local reparameterization (:class:`~pyrobdl.inference.flat_dropout.NormalLRTPlan`).
+    ``beta`` may be a 0-d tensor; ``functional``: no ``out=`` writes and no branch on ``beta``
+    (for ``torch.compile``, :mod:`pyrobdl.inference.flat_step`; the same operations otherwise).
+    """
+    s = eps.shape[0]
+    sigma = torch.nn.functional.softplus(rho)
+    theta = torch.addcmul(loc, sigma, eps)  # [S, P]
+    if preactivations is not None:  # the weights reach the likelihood through sampled pre-activations, not theta
+        from .flat_dropout import _lrt_likelihood
+
+        ll, g_mu, g_var, g = _lrt_likelihood(plan, lj, loc, sigma * sigma, theta, subsample, preactivations, functional)
+    elif functional:
+        ll, g = lj._value_and_grad(theta, subsample, False, functional=True)
+    else:
+        ll, g = lj.value_and_grad(theta, subsample, prior=False)
+    kl, d_loc, d_sigma = _normal_kl(lj, kl_terms, loc, sigma, theta, eps)
+    if s == 1:
+        g_loc, g_sigma = g[0], g[0] * eps[0]
+    else:
+        g_loc, g_sigma = g.mean(0), (g * eps).mean(0)
+    if preactivations is not None:  # g is zero at the weights: their terms come from the LRT
+        for wsl, _, _, _ in plan.weights:
+            g_loc[wsl] += g_mu[wsl] / s
+            g_sigma[wsl] += (2.0 / s) * sigma[wsl] * g_var[wsl]
+    weighted = functional or beta != 1.0
+    if weighted:
+        d_loc.mul_(beta)
+        d_sigma.mul_(beta)
+    loss = (beta * kl - ll).mean() if weighted else (kl - ll).mean()
+    if functional:
+        return loss, torch.cat([d_loc - g_loc, (d_sigma - g_sigma) * torch.sigmoid(rho)])
+    grad = torch.empty(2 * loc.shape[0], dtype=loc.dtype, device=loc.device)
+    torch.sub(d_loc, g_loc, out=grad[: loc.shape[0]])
+    torch.mul(d_sigma.sub_(g_sigma), torch.sigmoid(rho), out=grad[loc.shape[0] :])
+    return loss, grad
+
+
+def _normal_kl(
+    lj: FlatLogJoint, kl_terms: tuple[torch.Tensor, float, bool], loc: torch.Tensor, sigma: torch.Tensor,
+    theta: torch.Tensor, eps: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The KL term ``[S]`` (or ``[]``) and its total derivatives in ``loc`` and ``sigma`` ``[P]``."""
+    prec, kl_const, analytic = kl_terms
+    log_sigma_sum = sigma.log().sum()
+    if analytic:
+        # closed form where the prior is Gaussian (prec > 0); where prec = 0 these
+        # expressions reduce to the -log(sigma) and -1/sigma of the Monte Carlo term
+        kl = kl_const - log_sigma_sum + 0.5 * (prec * (sigma * sigma + loc * loc)).sum()
+        d_loc = prec * loc
+        d_sigma = prec * sigma - sigma.reciprocal()
+        u = lj.precision_index
+        if u is not None:  # Monte Carlo for the learned precision u = log tau (Gamma prior)
+            e = eps[:, u]
+            lp, gp = lj.precision_log_prior(theta)  # Gamma + log-Jacobian, and d/du
+            kl = kl - 0.5 * e * e - _HALF_LOG_2PI - lp
+            d_loc[u] -= gp.mean()
+            d_sigma[u] -= (gp * e).mean()
+    else:
+        lp, gp = lj.log_prior(theta)
+        kl = -0.5 * (eps * eps).sum(-1) - log_sigma_sum - loc.shape[0] * _HALF_LOG_2PI - lp
+        d_loc = gp.mean(0).neg_()
+        d_sigma = (gp * eps).mean(0).neg_().sub_(sigma.reciprocal())
+    return kl, d_loc, d_sigma
 
 
 class _FlatLoss(torch.autograd.Function):

@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from ..posterior import Cost, SVIPosterior
 from .elbo import make_elbo
+from .flat_step import FusedFlatAdam
 
 __all__ = ["CHECK_EVERY", "LR_SCHEDULES", "LoopResult", "LoopSettings", "PackedAdam", "optimize", "run_svi"]
 
@@ -236,11 +237,14 @@ def optimize(
 ) -> LoopResult:
     """The one optimisation loop: every SVI method, the ensemble's members and Laplace's MAP fit.
 
-    Each step: ``before_step(step)``; ``step_fn(idx)`` with the next minibatch from ``batches``
-    (which computes the loss and leaves its gradient in every parameter's ``.grad``); the loss
-    recorded; every :data:`CHECK_EVERY` steps a finiteness check; the learning rate of the
-    schedule; ``optimizer.step()``; Polyak averaging over the last ``average_last`` fraction of
-    steps.  At the end the averaged parameters (when averaging is on) are copied into ``params``.
+    Each step: ``before_step(step)``; the learning rate of the schedule; ``step_fn(idx)`` with
+    the next minibatch from ``batches`` (which computes the loss and leaves its gradient in every
+    parameter's ``.grad``); the loss recorded; every :data:`CHECK_EVERY` steps a finiteness
+    check; ``optimizer.step()``; Polyak averaging over the last ``average_last`` fraction of
+    steps.  An optimizer with ``updates_in_step = True``
+    (:class:`~pyrobdl.inference.flat_step.FusedFlatAdam`) is not stepped: ``step_fn`` applied its
+    update with the loss (a finiteness check then sees parameters one update further on).  At
+    the end the averaged parameters (when averaging is on) are copied into ``params``.
 
     Parameters
     ----------
@@ -249,7 +253,7 @@ def optimize(
         given; ``idx`` is the minibatch (None for full batch).
     params : list of torch.Tensor
         The tensors ``optimizer`` updates (averaged and restored in place).
-    optimizer : torch.optim.Optimizer or PackedAdam
+    optimizer : torch.optim.Optimizer, PackedAdam or FusedFlatAdam
         Built by the caller over ``params`` with ``lr = settings.lr``.
     settings : LoopSettings
         ``num_steps``, ``lr``, ``lr_schedule`` and ``average_last`` are used here.
@@ -289,9 +293,12 @@ def optimize(
     snapshot = [p.detach().clone() for p in params]
     checked = 0
     bar = tqdm(range(steps), desc=desc, disable=not progress, mininterval=0.5, leave=False)
+    fused = getattr(optimizer, "updates_in_step", False)  # step_fn updates the parameters itself
     for step in bar:
         if before_step is not None:
             before_step(step)
+        if schedule is not None:  # read by optimizer.step() only, or by a fused step_fn
+            group["lr"] = settings.lr * schedule(min(step / max(steps - 1, 1), 1.0))
         out = step_fn(batches.next())
         if records is None:
             losses[step] = out
@@ -300,9 +307,8 @@ def optimize(
         if step + 1 - checked >= CHECK_EVERY:
             _check_finite(losses, checked, step + 1, params, snapshot, label=label)
             checked = step + 1
-        if schedule is not None:
-            group["lr"] = settings.lr * schedule(min(step / max(steps - 1, 1), 1.0))
-        optimizer.step()
+        if not fused:
+            optimizer.step()
         if step >= average_from:
             with torch.no_grad():
                 torch._foreach_lerp_(averaged, params, 1.0 / (step - average_from + 1))
@@ -369,10 +375,16 @@ def run_svi(
     # vectors; other losses go through autograd over the guide's parameters.
     flat = hasattr(loss_fn, "loss_and_grad")
     params = loss_fn.parameters_to_optimize() if flat else [p for p in guide.parameters() if p.requires_grad]
-    optimizer = PackedAdam(params, settings.lr) if flat else _adam(params, settings.lr)
+    if settings.elbo == "direct_compiled":  # ELBO, gradient and Adam in one compiled graph
+        optimizer: Any = FusedFlatAdam(loss_fn, settings.lr)
+        params = optimizer.params
+    else:
+        optimizer = PackedAdam(params, settings.lr) if flat else _adam(params, settings.lr)
     batch = settings.effective_batch(num_data)
 
     def step_fn(idx: torch.Tensor | None) -> torch.Tensor:
+        if settings.elbo == "direct_compiled":
+            return optimizer.loss_and_step(x, y, idx)
         if flat:
             return loss_fn.loss_and_grad(x, y, idx)
         loss = loss_fn(x, y, idx)
