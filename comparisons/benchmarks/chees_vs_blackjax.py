@@ -219,7 +219,7 @@ def run_chees(x, y, x_test, args) -> tuple[dict, object, object]:
     from chees_vs_numpyro import make_model
 
     common = dict(method="chees", num_chains=args.chains, seed=args.seed, progress=False, compile=args.compile,
-                  device=args.device)
+                  device=args.device, **dict(_option(o) for o in args.chees_option))
     if args.compile:  # the timed fit reuses the program a short fit compiled, as JAX's runs subtract theirs
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -230,15 +230,25 @@ def run_chees(x, y, x_test, args) -> tuple[dict, object, object]:
     _sync(args.device)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     d = post.diagnostics
+    warm = {k: d[k] for k in ("leapfrog_steps_warmup", "step_size_search_chain_gradients") if k in d}
     f = post.function_draws(torch.as_tensor(x_test).to(post.model.device))[..., 0].double().cpu().numpy()
     trace = post.trace
     extra = {"step_size": float(d["step_size"]), "mean_num_steps_sampling": float(d["mean_num_steps_sampling"]),
              "trajectory_length": float(d["trajectory_length"]), "fit_call_wall_s": wall, "fit_call_cpu_s": cpu,
              "own_certification_passed": bool(d["certification"]["passed"]),
-             "peak_memory_bytes": post.cost.peak_memory_bytes}
+             "peak_memory_bytes": post.cost.peak_memory_bytes, **warm}
     row = {"wall_s": post.cost.wall_time_s, "cpu_s": post.cost.cpu_time_s, "compile_s": d.get("compile_s") or 0.0,
            "sampling_wall_s": post.cost.wall_time_s, "sampling_cpu_s": post.cost.cpu_time_s, "chain_gradients": int(d["chain_gradients"]), **extra}
     return row, np.asarray(f), trace
+
+
+def _option(text: str) -> tuple[str, object]:
+    """``KEY=VALUE`` of ``--chees-option``; the value read as JSON where it parses (numbers, true)."""
+    key, _, value = text.partition("=")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
 
 
 # --------------------------------------------------------------------------- one certification
@@ -327,6 +337,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compile", action="store_true", help="chees: fit(compile=True), timed after a 2 + 2 fit")
     p.add_argument("--max-tree-depth", type=int, default=10)
+    p.add_argument("--chees-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a fit option of chees (repeatable), e.g. init_trajectory_length=0.1; recorded in the row")
     p.add_argument("--blackjax-step-size", type=float, default=0.05, help="BlackJAX's initial step size")
     p.add_argument("--out", help="append the run's JSON line here")
     p.add_argument("--table", metavar="JSONL", help="print the Markdown table of these runs and stop")
@@ -366,6 +378,7 @@ def main(argv=None) -> int:
     row = summarise(row, f, trace, args)
     row.update(sampler=args.sampler, chains=args.chains, warmup=args.warmup, samples=args.samples, seed=args.seed,
                device=args.device, device_name=device_name(args.device), compile=args.compile,
+               chees_options=dict(_option(o) for o in args.chees_option),
                load=" ".join(f"{v:.2f}" for v in os.getloadavg()))
     line = json.dumps(row)
     print(line, flush=True)
