@@ -54,3 +54,17 @@ def test_gpu_session_smoke(tmp_path):
     assert "./phases.log" in names and "./samplers.jsonl" in names and "./tests.log" in names
     assert not [n for n in names if n.endswith((".pt", ".npz", ".nc"))]  # the heavy files stay behind
     assert (out / "session.tar.gz").stat().st_size < 16 * 2**20  # what a device call can bring back
+
+
+def test_the_jax_samplers_ask_for_the_gpu_on_a_cuda_run():
+    """``nuts_vs_numpyro`` (whose data the benchmark uses) defaults ``JAX_PLATFORMS`` to ``cpu`` on
+    import; on a ``--device cuda`` run the benchmark must have asked for the GPU before that, or
+    BlackJAX and NumPyro would silently run on the host (a lent GPU cannot be asked twice)."""
+    code = ("import os, sys; sys.path.insert(0, 'comparisons/benchmarks'); import chees_vs_blackjax as b; "
+            "b._jax_env(sys.argv[1]); import nuts_vs_numpyro; print(os.environ['JAX_PLATFORMS'])")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    for device, platform in (("cuda", "cuda"), ("cpu", "cpu")):
+        out = subprocess.run([sys.executable, "-c", code, device], cwd=ROOT, env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.strip() == platform

@@ -53,11 +53,13 @@ from types import SimpleNamespace
 
 
 def _jax_env(device: str) -> None:
-    """JAX's platform and threads, set before JAX is imported."""
+    """JAX's platform and threads, set before JAX (or ``nuts_vs_numpyro``, which defaults JAX to the
+    CPU on import) is imported."""
     if device == "cpu":
         os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     else:
+        os.environ.setdefault("JAX_PLATFORMS", "cuda")
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
@@ -156,10 +158,9 @@ def run_blackjax(x, y, x_test, args) -> tuple[dict, object, object]:
                 params["integration_steps_params"][0])
 
     clock = _CompileClock()
-    _sync_all = jax.block_until_ready
     wall, cpu = time.perf_counter(), time.process_time()
-    out = _sync_all(jax.jit(run)(k_warm, k_samp, positions))
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    out = jax.block_until_ready(jax.jit(run)(k_warm, k_samp, positions))
+    wall, cpu, compile_s = time.perf_counter() - wall, time.process_time() - cpu, clock.seconds
     draws, energy, divergent, steps, warm_steps, eps, n_leap = out
     # scan stacks the draws first: [S, K, P] -> [K, S, P] -> each site [K, S, ...]
     d = jax.vmap(jax.vmap(unravel))(jnp.swapaxes(draws, 0, 1))
@@ -169,7 +170,7 @@ def run_blackjax(x, y, x_test, args) -> tuple[dict, object, object]:
                             superchain_size=1)
     extra = {"step_size": float(eps), "mean_num_steps_sampling": float(np.mean(np.asarray(steps))),
              "nominal_num_steps": float(n_leap), "jax_platform": jax.devices()[0].platform}
-    return _timing(wall, cpu, clock.seconds, grads, extra), f, trace
+    return _timing(wall, cpu, compile_s, grads, extra), f, trace
 
 
 def run_numpyro(x, y, x_test, args) -> tuple[dict, object, object]:
@@ -190,7 +191,7 @@ def run_numpyro(x, y, x_test, args) -> tuple[dict, object, object]:
     warm_steps = int(np.sum(np.asarray(mcmc.get_extra_fields()["num_steps"])))
     mcmc.run(mcmc.post_warmup_state.rng_key, xj, yj, extra_fields=("num_steps", "diverging", "energy"))
     jax.block_until_ready(mcmc.get_samples())
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    wall, cpu, compile_s = time.perf_counter() - wall, time.process_time() - cpu, clock.seconds
     s = mcmc.get_samples(group_by_chain=True)
     e = mcmc.get_extra_fields(group_by_chain=True)
     f = np.asarray(_function_values(s["w0"], s["b0"], s["w1"], s["b1"], jnp.asarray(x_test)), dtype=np.float64)
@@ -200,7 +201,7 @@ def run_numpyro(x, y, x_test, args) -> tuple[dict, object, object]:
     extra = {"step_size": float(np.mean(np.asarray(mcmc.last_state.adapt_state.step_size))),
              "mean_num_steps_sampling": float(np.mean(np.asarray(e["num_steps"]))),
              "jax_platform": jax.devices()[0].platform}
-    return _timing(wall, cpu, clock.seconds, grads, extra), f, trace
+    return _timing(wall, cpu, compile_s, grads, extra), f, trace
 
 
 def _timing(wall: float, cpu: float, compile_s: float, grads: int, extra: dict) -> dict:
@@ -353,6 +354,7 @@ def main(argv=None) -> int:
     _jax_env(args.device)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import torch
+    from chees_vs_numpyro import load
     from nuts_vs_numpyro import make_data, make_test_inputs
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -379,7 +381,7 @@ def main(argv=None) -> int:
     row.update(sampler=args.sampler, chains=args.chains, warmup=args.warmup, samples=args.samples, seed=args.seed,
                device=args.device, device_name=device_name(args.device), compile=args.compile,
                chees_options=dict(_option(o) for o in args.chees_option),
-               load=" ".join(f"{v:.2f}" for v in os.getloadavg()))
+               load=load())
     line = json.dumps(row)
     print(line, flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
