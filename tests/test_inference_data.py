@@ -210,6 +210,25 @@ def test_netcdf_round_trip(tmp_path):
     np.testing.assert_allclose(back.log_likelihood["y"].values, idata.log_likelihood["y"].values)
 
 
+def test_read_inference_data_is_lazy_equal_and_closed(tmp_path):
+    """The report's reader: the same values as an eager read, nothing loaded until accessed, and
+    the file closed when the block ends (it can be replaced, as a resumed suite does)."""
+    from pyrobdl.diagnostics.arviz_adapter import read_inference_data
+
+    idata = idata_of("mean_field", "classification")
+    path = tmp_path / "idata.nc"
+    idata.to_netcdf(str(path))
+    with read_inference_data(path) as back:
+        var = back.posterior_predictive["f"].variable
+        assert not isinstance(var._data, np.ndarray)  # still on disk
+        np.testing.assert_array_equal(back.posterior_predictive["f"].values, idata.posterior_predictive["f"].values)
+        assert back.attrs["method"] == "mean_field"
+    path.unlink()
+    idata.to_netcdf(str(path))  # rewritten after the block: no handle left open on it
+    with read_inference_data(path) as back:
+        np.testing.assert_array_equal(back.log_likelihood["y"].values, idata.log_likelihood["y"].values)
+
+
 def test_to_inference_data_is_reproducible_from_the_seed():
     posterior, x, y = fitted("mean_field", "regression")
     a = posterior.to_inference_data(x, y, num_samples=8, seed=3)

@@ -454,8 +454,7 @@ def rank_plots(records: Sequence[Mapping[str, Any]], dataset: str) -> list[Figur
     Drawn for every method whose first cell stored an ``InferenceData`` with a ``sample_stats``
     group and more than one chain (MCMC), with :func:`pyrobdl.diagnostics.plots.plot_rank`.
     """
-    from ..diagnostics import plots
-    from ..diagnostics.arviz_adapter import az
+    from ..diagnostics.arviz_adapter import read_inference_data
 
     out = []
     for label, recs in by_method(ok_records(records)).items():
@@ -463,27 +462,35 @@ def rank_plots(records: Sequence[Mapping[str, Any]], dataset: str) -> list[Figur
         name = (first.get("artifacts") or {}).get("inference_data")
         if not name or "_dir" not in first or not (Path(first["_dir"]) / name).exists():
             continue
-        idata = az.from_netcdf(str(Path(first["_dir"]) / name))
-        if "sample_stats" not in idata.groups() or idata.posterior.sizes.get("chain", 1) < 2:
-            continue
-        chains = int(idata.posterior.sizes["chain"])
-        what = ("the top-class probability" if "class" in idata.posterior_predictive["f"].dims
-                else "the network output")
-        if chains > MAX_RANK_HISTOGRAMS:
-            fig = plots.plot_rank_ecdf(idata, space="function", max_points=4)
-            out.append(encode(fig, f"{dataset}: {label} rank-ECDF differences (function space)",
-                              f"Split {first['split']}, seed {first['seed']}, {chains} chains: for {what} at 4 test "
-                              "inputs, each line is one chain's ECDF of its draws' ranks among all chains' draws minus "
-                              "the uniform CDF. When every chain samples the same distribution, all lines stay inside "
-                              "the shaded band with 95% probability; chains outside it are drawn in red and counted "
-                              "in each panel's title."))
-            continue
-        fig = plots.plot_rank(idata, space="function", max_points=4)
-        out.append(encode(fig, f"{dataset}: {label} rank plots (function space)",
-                          f"Split {first['split']}, seed {first['seed']}, {chains} chains: histograms of the ranks of "
-                          f"{what} at 4 test inputs, one per chain; when the chains sample the same distribution "
-                          "each histogram is flat up to noise."))
+        with read_inference_data(Path(first["_dir"]) / name) as idata:  # reads only what is drawn
+            fig = _rank_figure(idata, first, dataset, label)
+        if fig is not None:
+            out.append(fig)
     return out
+
+
+def _rank_figure(idata: Any, first: Mapping[str, Any], dataset: str, label: str) -> Figure | None:
+    """One method's function-space rank figure from its open ``idata`` (None: not a multi-chain sampler)."""
+    from ..diagnostics import plots
+
+    if "sample_stats" not in idata.groups() or idata.posterior.sizes.get("chain", 1) < 2:
+        return None
+    chains = int(idata.posterior.sizes["chain"])
+    what = ("the top-class probability" if "class" in idata.posterior_predictive["f"].dims
+            else "the network output")
+    if chains > MAX_RANK_HISTOGRAMS:
+        fig = plots.plot_rank_ecdf(idata, space="function", max_points=4)
+        return encode(fig, f"{dataset}: {label} rank-ECDF differences (function space)",
+                      f"Split {first['split']}, seed {first['seed']}, {chains} chains: for {what} at 4 test "
+                      "inputs, each line is one chain's ECDF of its draws' ranks among all chains' draws minus "
+                      "the uniform CDF. When every chain samples the same distribution, all lines stay inside "
+                      "the shaded band with 95% probability; chains outside it are drawn in red and counted "
+                      "in each panel's title.")
+    fig = plots.plot_rank(idata, space="function", max_points=4)
+    return encode(fig, f"{dataset}: {label} rank plots (function space)",
+                  f"Split {first['split']}, seed {first['seed']}, {chains} chains: histograms of the ranks of "
+                  f"{what} at 4 test inputs, one per chain; when the chains sample the same distribution "
+                  "each histogram is flat up to noise.")
 
 
 #: Above this many chains the rank plots are rank-ECDF differences (histograms overlap into a block).
