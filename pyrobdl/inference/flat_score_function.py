@@ -216,7 +216,7 @@ class FlatScoreFunctionELBO(DirectScoreFunctionELBO):
             own.mul_(beta)
         whole = own.sum(1).add_(ll)  # [P]
         cost = self._centred(own.add_(ll.unsqueeze(1)), whole)  # [P, S]
-        kl, d_loc, d_sigma = self._closed_form_kl(loc, sigma, beta)
+        kl, d_loc, d_sigma = self._analytic_kl(loc, sigma, beta)
         # the surrogate's gradient: -(1/P) sum_p c~ dlog q, per coordinate through its site
         c = cost[:, self._index]  # [P, D]
         scale = (-1.0 / self.num_particles) / sigma
@@ -253,7 +253,7 @@ class FlatScoreFunctionELBO(DirectScoreFunctionELBO):
             return cost.sub_(old)
         return cost
 
-    def _closed_form_kl(
+    def _analytic_kl(
         self, loc: torch.Tensor, sigma: torch.Tensor, beta: float
     ) -> tuple[torch.Tensor | float, torch.Tensor | None, torch.Tensor | None]:
         r""":math:`\beta` times the closed-form KL of the Gaussian-prior sites and its derivatives in loc and sigma."""
