@@ -13,7 +13,7 @@ from pyro.poutine.messenger import Messenger
 import pyrobdl
 from pyrobdl.datasets import bayesian_linear_regression
 from pyrobdl.guides import MeanField, ScoreFunction
-from pyrobdl.inference import ScoreFunctionELBO, get_method, make_elbo
+from pyrobdl.inference import DirectScoreFunctionELBO, ScoreFunctionELBO, get_method, make_elbo
 
 PRECISION = 4.0
 PRIOR_SCALE = 1.5
@@ -495,7 +495,9 @@ def test_direct_fast_path_equals_pyro_trace_graph(baseline, kl):
     """elbo="direct_score_function": value and gradient equal ScoreFunctionELBO's on the same draws.
 
     A 1x3 network (every weight reaches the output through the hidden layer), 3 particles, a
-    minibatch, two consecutive steps (the decaying average carries over).
+    minibatch, two consecutive steps (the decaying average carries over).  The default runs the
+    flat path (issue 41); DirectScoreFunctionELBO, its fallback, is checked too
+    (tests/test_flat_score_function.py: the two agree to 1e-10 in float64).
     """
     x, y = torch.randn(12, 2), torch.randn(12)
     model = pyrobdl.BayesianMLP(2, (3,), 1, likelihood=pyrobdl.likelihoods.Gaussian(PRECISION))
@@ -503,8 +505,11 @@ def test_direct_fast_path_equals_pyro_trace_graph(baseline, kl):
     guide = ScoreFunction(model, init_scale=0.2, baseline=baseline)
     subsample = torch.tensor([0, 3, 4, 7, 9, 11])
     results = []
-    for elbo in ("trace_graph", "direct_score_function"):
-        loss_fn = make_elbo(model, guide, elbo=elbo, kl=kl, num_particles=3)
+    for elbo in ("trace_graph", "direct_score_function", DirectScoreFunctionELBO):
+        if isinstance(elbo, str):
+            loss_fn = make_elbo(model, guide, elbo=elbo, kl=kl, num_particles=3)
+        else:
+            loss_fn = elbo(model, guide, num_particles=3, analytic_kl=kl == "analytic")
         out = []
         pyro.set_rng_seed(5)
         with pyro.get_param_store().scope():
@@ -514,10 +519,11 @@ def test_direct_fast_path_equals_pyro_trace_graph(baseline, kl):
                 loss.backward()
                 out.append((loss.detach(), [p.grad.clone() for p in guide.parameters()]))
         results.append(out)
-    for (loss_a, grads_a), (loss_b, grads_b) in zip(*results):
-        torch.testing.assert_close(loss_b, loss_a, rtol=1e-5, atol=1e-4)
-        for a, b in zip(grads_a, grads_b):
-            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-3)
+    for other in results[1:]:
+        for (loss_a, grads_a), (loss_b, grads_b) in zip(results[0], other):
+            torch.testing.assert_close(loss_b, loss_a, rtol=1e-5, atol=1e-4)
+            for a, b in zip(grads_a, grads_b):
+                torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-3)
 
 
 def test_direct_fast_path_refuses_the_neural_baseline():

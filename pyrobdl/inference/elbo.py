@@ -182,8 +182,10 @@ def make_elbo(
         :class:`DirectELBO` always.  Or Pyro's ``Trace_ELBO`` family; ``"trace_graph"`` is
         :class:`~pyrobdl.inference.ScoreFunctionELBO`, Pyro's ``TraceGraph_ELBO`` with the
         particle baselines added, and ``"direct_score_function"`` its trace-free fast path for
-        :class:`~pyrobdl.guides.ScoreFunction` guides
-        (:class:`~pyrobdl.inference.DirectScoreFunctionELBO`, equal on the same draws).
+        :class:`~pyrobdl.guides.ScoreFunction` guides, equal on the same draws: the flat
+        :class:`~pyrobdl.inference.flat_score_function.FlatScoreFunctionELBO` when the model is
+        one the flat log joint implements, otherwise
+        :class:`~pyrobdl.inference.DirectScoreFunctionELBO`.
     kl : {"analytic", "monte_carlo"}
         KL treatment.  ``"analytic"`` with ``"trace"``/``"jit_trace"`` selects Pyro's
         ``TraceMeanField_ELBO``/``JitTraceMeanField_ELBO``, and with ``"trace_graph"``
@@ -220,6 +222,11 @@ def make_elbo(
     if elbo == "distributions":
         return DirectELBO(model, guide, num_particles=num_particles, analytic_kl=kl == "analytic")
     if elbo == "direct_score_function":
+        from .flat_score_function import FlatScoreFunctionELBO, flat_score_function_support
+
+        reason = flat_score_function_support(model, guide)
+        if reason is None:
+            return FlatScoreFunctionELBO(model, guide, num_particles=num_particles, analytic_kl=kl == "analytic")
         return DirectScoreFunctionELBO(model, guide, num_particles=num_particles, analytic_kl=kl == "analytic")
     classes = {
         ("trace", "monte_carlo"): pyro.infer.Trace_ELBO,
