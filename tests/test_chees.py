@@ -553,6 +553,80 @@ def test_cap_during_warm_up_bounds_the_trajectory():
     assert (lengths[1:] <= 3 * tr.step_size[0, 1:] * (1 + 1e-12)).all()
 
 
+def _adam_run(mode, log_t=0.0, step=0.01, cap=100, length=1.0):
+    """What :func:`chees.run._update_trajectory` reads of a run."""
+    from types import SimpleNamespace
+
+    from pyrobdl.inference.chees.adaptation import _TrajectoryAdam
+
+    traj = _TrajectoryAdam(log_t=log_t, lr=0.05)
+    traj.log_t_avg = log_t
+    return SimpleNamespace(options={"trajectory_adaptation": mode}, traj=traj, step=step, cap=cap,
+                           trajectory_length=length)
+
+
+def test_trajectory_adaptation_bounds_log_t():
+    """A ChEES gradient that always says "longer": Adam's log T climbs by one clipped update (0.05,
+    Adam's lr, as the sign is all that is left) per iteration when free, past log(cap x step) =
+    log 1; projected it stops there; anchored it restarts every iteration from the consumed T, so
+    it is never more than one update above it."""
+    free, projected, anchored = (_adam_run(m) for m in ("free", "projected", "anchored"))
+    for _ in range(200):
+        for run in (free, projected, anchored):
+            chees.run._update_trajectory(run, 1.0)
+    assert free.traj.log_t == pytest.approx(200 * 0.05, rel=1e-6)
+    assert projected.traj.log_t == pytest.approx(math.log(100 * 0.01))
+    assert anchored.traj.log_t == pytest.approx(math.log(1.0) + 0.05, rel=1e-6)  # length 1.0 stays consumed
+    # below: projected onto log(step)
+    low = _adam_run("projected", log_t=math.log(0.01))
+    for _ in range(50):
+        chees.run._update_trajectory(low, -1.0)
+    assert low.traj.log_t == pytest.approx(math.log(0.01))
+
+
+def test_continuous_step_size_adaptation_searches_once():
+    """``step_size_adaptation="continuous"``: one dual averaging over the whole warm-up, no step-size
+    search at the window ends (only the first one, counted), the final step the moving average of its
+    log iterates; ``"windowed"`` searches again at every window end."""
+    x, y = small_data()
+    kw = dict(method="chees", num_chains=4, num_warmup=40, num_samples=10, progress=False, seed=3)
+    with uncertified():
+        cont = pyrobdl.fit(small_mlp(), x, y, step_size_adaptation="continuous", **kw)
+    with uncertified():
+        win = pyrobdl.fit(small_mlp(), x, y, **kw)
+    first = cont.diagnostics["step_size_search_chain_gradients"]
+    assert first > 0 and win.diagnostics["step_size_search_chain_gradients"] > first
+    # replayed from the recorded acceptance: every warm-up step is the one dual averaging's iterate,
+    # the sampling step the t ** -0.5 moving average of its log iterates
+    steps, tr = cont.adaptation["step_size"], cont.trace
+    da = chees.adaptation._DualAveraging.start(float(steps[0]))
+    for t in range(40):
+        ap = torch.as_tensor(tr.accept_prob[:, t], dtype=torch.float32)[~torch.as_tensor(tr.diverging[:, t])]
+        da.update(chees.kernel._harmonic_mean(ap) if len(ap) else 0.0, 0.651)
+        if t < 39:
+            assert steps[t + 1] == pytest.approx(math.exp(da.log_step), rel=1e-9)
+    assert (steps[40:] == steps[40]).all()
+    assert steps[40] == pytest.approx(math.exp(da.log_step_ma), rel=1e-9)
+    assert steps[40] != pytest.approx(math.exp(da.log_step_bar), rel=1e-3)  # not Stan's average
+
+
+def test_later_options_at_their_default_leave_a_checkpoints_identity_unchanged():
+    """A checkpoint written before ``step_size_adaptation`` / ``trajectory_adaptation`` existed (its
+    identity without them) still matches a run at their defaults; another value is another run."""
+    from pyrobdl.inference.checkpoint import run_identity
+
+    x, y = small_data()
+    opts = {**chees.CHEES_OPTIONS, "seed": 0}
+    old = {k: v for k, v in opts.items() if k not in ("step_size_adaptation", "trajectory_adaptation")}
+
+    def identity(o):
+        return run_identity(small_mlp(), x, y, o, exclude=chees._NOT_IDENTITY + chees.run._defaulted(o))
+
+    assert identity(opts) == identity(old)
+    assert identity({**opts, "step_size_adaptation": "continuous"}) != identity(old)
+    assert identity({**opts, "trajectory_adaptation": "anchored"}) != identity(old)
+
+
 # --------------------------------------------------------------------- 7. options, up front
 @pytest.mark.parametrize(
     "options, error, match",
@@ -567,6 +641,10 @@ def test_cap_during_warm_up_bounds_the_trajectory():
         ({"mass_matrix": "dense"}, ValueError,
          r"unknown mass_matrix 'dense'; valid: \['cross-chain', 'within-chain', 'per-chain'\]"),
         ({"init_strategy": "x"}, ValueError, r"unknown init_strategy 'x'; valid: \['prior', 'map', 'ensemble'\]"),
+        ({"step_size_adaptation": "stan"}, ValueError,
+         r"unknown step_size_adaptation 'stan'; valid: \['windowed', 'continuous'\]"),
+        ({"trajectory_adaptation": "clipped"}, ValueError,
+         r"unknown trajectory_adaptation 'clipped'; valid: \['free', 'projected', 'anchored'\]"),
         ({"chunk_size": 0}, ValueError, r"chunk_size must be an integer >= 1"),
         ({"chunk_size": "x"}, ValueError, r"chunk_size"),
         ({"step_size": -1}, ValueError, r"step_size must be a finite number > 0 or None"),

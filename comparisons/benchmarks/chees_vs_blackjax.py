@@ -306,6 +306,9 @@ def table(path: str) -> str:
     import statistics
 
     rows = [json.loads(s) for s in Path(path).read_text().splitlines() if s.strip()]
+    for r in rows:  # runs with --chees-option are their own sampler in the table
+        if r.get("chees_options"):
+            r["sampler"] += " (" + ", ".join(f"{k}={v}" for k, v in sorted(r["chees_options"].items())) + ")"
     key = lambda r: (r["chains"], r["warmup"], r["samples"], r["device"], r["seed"])  # noqa: E731
     bjx = {key(r): r["ess_min"] / _clock(r)[0] for r in rows if r["sampler"] == "blackjax"}
     head = ("| sampler | K | W + S | seed | device | s (clock; compile s) | chain-grads | µs / chain-grad | "

@@ -11,6 +11,14 @@ import torch
 
 #: How the diagonal mass matrix is estimated from a warm-up window (:class:`WindowVariance`).
 MASS_MATRICES = ("cross-chain", "within-chain", "per-chain")
+#: How the step size is adapted over the warm-up: a fresh dual averaging in every mass-matrix
+#: window, the last one's average kept (Stan's), or one dual averaging over the whole warm-up,
+#: the moving average of its log iterates kept (BlackJAX's ChEES).
+STEP_SIZE_ADAPTATIONS = ("windowed", "continuous")
+#: How Adam's log T is kept within reach of the consumed T: not at all, projected onto
+#: [log step, log(max_num_steps * step)] after every update, or re-anchored before every update at
+#: the consumed (clamped moving-average) T, as BlackJAX's ChEES.
+TRAJECTORY_ADAPTATIONS = ("free", "projected", "anchored")
 
 # Dual averaging constants of Hoffman & Gelman (2014), as Stan, NumPyro and Pyro use them.
 _DA_GAMMA, _DA_T0, _DA_KAPPA = 0.05, 10.0, 0.75
@@ -182,6 +190,8 @@ class _DualAveraging:
     t: int = 0
     h_bar: float = 0.0
     log_step_bar: float = 0.0
+    # moving average of the log iterates with weight t ** -0.5 (BlackJAX's step-size average)
+    log_step_ma: float = 0.0
 
     @classmethod
     def start(cls, step_size: float) -> "_DualAveraging":
@@ -194,6 +204,8 @@ class _DualAveraging:
         self.log_step = self.mu - math.sqrt(self.t) / _DA_GAMMA * self.h_bar
         w = self.t ** -_DA_KAPPA
         self.log_step_bar = w * self.log_step + (1.0 - w) * self.log_step_bar
+        v = self.t ** -_MA_DECAY
+        self.log_step_ma = v * self.log_step + (1.0 - v) * self.log_step_ma
         return math.exp(self.log_step)
 
 
@@ -209,6 +221,7 @@ class _TrajectoryAdam:
     updates: int = 0
 
     def update(self, gradient: float) -> None:
+        """One clipped Adam step of ``log_t`` up the ChEES ``gradient``; the moving average follows."""
         self.t += 1
         self.updates += 1
         self.v = _ADAM_BETA2 * self.v + (1.0 - _ADAM_BETA2) * gradient * gradient

@@ -12,7 +12,7 @@ from ...diagnostics.certification import check_certify_inputs
 from ...flat import _check_supported
 from ..starts import check_spread
 from ..registry import require_proper_prior
-from .adaptation import MASS_MATRICES
+from .adaptation import MASS_MATRICES, STEP_SIZE_ADAPTATIONS, TRAJECTORY_ADAPTATIONS
 
 #: Starting points of the chains.
 INIT_STRATEGIES = ("prior", "map", "ensemble")
@@ -20,7 +20,8 @@ INIT_STRATEGIES = ("prior", "map", "ensemble")
 JITTERS = ("halton", "uniform", "none")
 #: Which R-hat certifies the chains ("auto": nested over superchain starts, else split).
 CERTIFY_RHATS = ("auto", "split", "nested", "both")
-__all__ = ["CERTIFY_RHATS", "CHEES_OPTIONS", "INIT_STRATEGIES", "JITTERS", "MASS_MATRICES"]
+__all__ = ["CERTIFY_RHATS", "CHEES_OPTIONS", "INIT_STRATEGIES", "JITTERS", "MASS_MATRICES", "STEP_SIZE_ADAPTATIONS",
+           "TRAJECTORY_ADAPTATIONS"]
 
 CHEES_OPTIONS: dict[str, Any] = {
     "num_chains": 64,
@@ -30,6 +31,8 @@ CHEES_OPTIONS: dict[str, Any] = {
     "step_size": None,
     "init_trajectory_length": 1.0,
     "trajectory_lr": 0.05,
+    "step_size_adaptation": "windowed",
+    "trajectory_adaptation": "free",
     "adapt_mass_matrix": True,
     "mass_matrix": "cross-chain",
     "max_num_steps": 1024,
@@ -51,6 +54,10 @@ CHEES_OPTIONS: dict[str, Any] = {
     "checkpoint": None,
     "checkpoint_every_s": 300.0,
 }
+
+#: Options added after checkpoints were first written, with their defaults (the behaviour before
+#: them): at the default they are left out of a checkpoint's identity, so older checkpoints resume.
+_LATER_OPTIONS = {"step_size_adaptation": "windowed", "trajectory_adaptation": "free"}
 
 #: Options that do not change the chains (where and how often they are saved, the kernel, the
 #: thread count, the points the result is diagnosed and certified at) or that a resumed run
@@ -114,6 +121,12 @@ def _check_options(model: Any, options: Mapping[str, Any]) -> None:
         raise TypeError(f"compile must be True, False or 'auto', got {options['compile']!r}")
     if options["jitter"] not in JITTERS:
         raise ValueError(f"unknown jitter {options['jitter']!r}; valid: {list(JITTERS)}")
+    if options["step_size_adaptation"] not in STEP_SIZE_ADAPTATIONS:
+        raise ValueError(f"unknown step_size_adaptation {options['step_size_adaptation']!r}; "
+                         f"valid: {list(STEP_SIZE_ADAPTATIONS)}")
+    if options["trajectory_adaptation"] not in TRAJECTORY_ADAPTATIONS:
+        raise ValueError(f"unknown trajectory_adaptation {options['trajectory_adaptation']!r}; "
+                         f"valid: {list(TRAJECTORY_ADAPTATIONS)}")
     if options["mass_matrix"] not in MASS_MATRICES:
         raise ValueError(f"unknown mass_matrix {options['mass_matrix']!r}; valid: {list(MASS_MATRICES)}")
     if options["init_strategy"] not in INIT_STRATEGIES:

@@ -19,7 +19,7 @@ from ..checkpoint import CheckpointError, SamplerCheckpoint, run_identity
 from ..mcmc import MCMCPosterior
 from .adaptation import WindowVariance, _DualAveraging, chees_gradient, halton
 from .kernel import _compile, _harmonic_mean
-from .options import _NOT_IDENTITY
+from .options import _LATER_OPTIONS, _NOT_IDENTITY
 from .result import _result
 from .state import _Run, snapshot
 from .tempering import _swap, respace_ladder
@@ -68,9 +68,15 @@ def run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str
     if path is None:
         return _run_chees(model, x, y, options, progress, None)
     options = {**options, "checkpoint": os.fspath(path)}
-    identity = run_identity(model, x, y, options, exclude=_NOT_IDENTITY)
+    identity = run_identity(model, x, y, options, exclude=_NOT_IDENTITY + _defaulted(options))
     with SamplerCheckpoint(path, identity, options["checkpoint_every_s"]) as ckpt:
         return _run_chees(model, x, y, options, progress, ckpt)
+
+
+def _defaulted(options: Mapping[str, Any]) -> tuple[str, ...]:
+    """The options added after checkpoints were first written that sit at their default (which is
+    the behaviour before them): left out of the identity, so those checkpoints still resume."""
+    return tuple(name for name, default in _LATER_OPTIONS.items() if options.get(name, default) == default)
 
 
 def _run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[str, Any], progress: bool,
@@ -212,7 +218,7 @@ def _adapt(run: _Run, it: int, h: float, trajectory: tuple[torch.Tensor, torch.T
     g = chees_gradient(theta0[:kept], proposal[:kept], p1[:kept], inv_mass, weights[:kept], h,
                        run.trajectory_length)
     if math.isfinite(g):
-        run.traj.update(g)
+        _update_trajectory(run, g)
     run.trajectory_length = run.clamped_length()
     if run.windows and it >= run.window_start:
         run.window.add(run.sampler.theta)
@@ -221,12 +227,28 @@ def _adapt(run: _Run, it: int, h: float, trajectory: tuple[torch.Tensor, torch.T
     if (it + 1) in run.windows:
         _end_window(run, it)
     if it == run.warm - 1:
-        run.steps = [math.exp(d.log_step_bar) for d in run.das]
+        continuous = run.options["step_size_adaptation"] == "continuous"
+        run.steps = [math.exp(d.log_step_ma if continuous else d.log_step_bar) for d in run.das]
         run.step = run.steps[0]
         run.wanted_length = math.exp(run.traj.log_t_avg)
         run.trajectory_length = run.clamped_length()
     if run.tempered is not None:
         run.step_rows = run.rung_rows(run.steps).unsqueeze(-1)
+
+
+def _update_trajectory(run: _Run, gradient: float) -> None:
+    """One Adam step of log T up the ChEES ``gradient``, kept within reach of the consumed T as
+    option ``trajectory_adaptation`` asks: ``"anchored"`` restarts log T from the log of the T
+    consumed this iteration (BlackJAX's scheme: the moving average then moves by at most its weight
+    times one clipped update), ``"projected"`` clips it to [log step, log(max_num_steps * step)]
+    after the step, ``"free"`` leaves it (the iterate can then drift far past what the steps cap
+    lets the chains consume, without feedback)."""
+    mode, traj = run.options["trajectory_adaptation"], run.traj
+    if mode == "anchored":
+        traj.log_t = math.log(run.trajectory_length)
+    traj.update(gradient)
+    if mode == "projected":
+        traj.log_t = min(max(traj.log_t, math.log(run.step)), math.log(run.cap * run.step))
 
 
 def _respace(run: _Run, it: int) -> None:
@@ -244,16 +266,18 @@ def _respace(run: _Run, it: int) -> None:
 
 
 def _end_window(run: _Run, it: int) -> None:
-    """The end of a mass-matrix window: the new metric, a new step-size search in it, fresh dual
-    averaging and a fresh Adam state of log T."""
+    """The end of a mass-matrix window: the new metric, a fresh Adam state of log T, and with
+    ``step_size_adaptation="windowed"`` a new step-size search in it and fresh dual averaging
+    (``"continuous"``: the dual averaging goes on in the new metric)."""
     sampler = run.sampler
     sampler.inv_mass = run.window.variance().to(run.dtype)
     run.window = WindowVariance(run.options["mass_matrix"], groups=run.rungs)
     run.window_start = it + 1
-    before = sampler.gradients
-    run.step = run.steps[0] = sampler.find_step_size(run.step, rows=run.kept)
-    run.search_grads += sampler.gradients - before
-    run.das = [_DualAveraging.start(s) for s in run.steps]
+    if run.options["step_size_adaptation"] == "windowed":
+        before = sampler.gradients
+        run.step = run.steps[0] = sampler.find_step_size(run.step, rows=run.kept)
+        run.search_grads += sampler.gradients - before
+        run.das = [_DualAveraging.start(s) for s in run.steps]
     # a fresh Adam state in the new metric: the second moment otherwise remembers the
     # huge gradients of the first iterations, when chains fall from their prior draws,
     # and freezes log T (measured with a learned noise precision: T stuck at 1.05)
