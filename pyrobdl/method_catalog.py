@@ -46,6 +46,8 @@ METHODS: dict[str, tuple[str, dict[str, Any]]] = {
             'step_size': None,
             'init_trajectory_length': 1.0,
             'trajectory_lr': 0.05,
+            'step_size_adaptation': 'windowed',
+            'trajectory_adaptation': 'free',
             'adapt_mass_matrix': True,
             'mass_matrix': 'cross-chain',
             'max_num_steps': 1024,
