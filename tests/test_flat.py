@@ -186,6 +186,22 @@ def test_gradient_equals_autograd_twin(float64, likelihood, hidden, activation):
     assert rel_err(v1, full_value[2]) < TOL64
 
 
+@pytest.mark.parametrize("hidden, activation", ARCHITECTURES, ids=lambda v: str(v))
+@pytest.mark.parametrize("likelihood", ["gaussian-2", "learned-1", "categorical-3"])
+def test_forward_only_log_likelihood_equals_the_autograd_twins(float64, likelihood, hidden, activation):
+    """log_likelihood (the score-function path's forward pass) is the twin's scaled likelihood,
+    log_joint(prior=False), for the full data, one minibatch and a minibatch per row."""
+    model = make_model("per_layer", likelihood, hidden, activation)
+    x, y = make_data(model, n=10)
+    lj = FlatLogJoint(model, x, y)
+    theta = lj.sample_prior(4, generator=torch.Generator().manual_seed(7))
+    per_row = torch.stack([torch.randperm(10, generator=torch.Generator().manual_seed(r))[:3] for r in range(4)])
+    for idx in (None, torch.tensor([4, 0, 8]), per_row):
+        assert rel_err(lj.log_likelihood(theta, idx), lj.log_joint(theta, idx, prior=False)) < TOL64
+    with pytest.raises(ValueError, match="idx must have shape"):
+        lj.log_likelihood(theta, per_row[:2])
+
+
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("likelihood", ["gaussian-1", "learned-1"])
 def test_relu_output_gradient_from_layer_zeros_product_equals_its_own_product(float64, likelihood, bias):

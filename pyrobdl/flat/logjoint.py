@@ -298,6 +298,25 @@ class FlatLogJoint:
         return self._value_and_grad(theta, idx, prior)
 
     @torch.no_grad()
+    def log_likelihood(self, theta: torch.Tensor, idx: torch.Tensor | None = None) -> torch.Tensor:
+        """The scaled log-likelihood ``[K]`` at ``theta`` ``[K, P]``: the forward pass alone, no gradient.
+
+        What a score-function estimator needs (``pyrobdl.inference.flat_score_function``): the
+        likelihood part of :meth:`value_and_grad` (``prior=False``) without its backward pass.
+        ``idx`` as in :meth:`value_and_grad` (``[B]`` or ``[K, B]``; the likelihood scaled by N/B).
+        """
+        self._check_idx(idx, theta.shape[0])
+        if idx is None:
+            x1, y, scale = self._x1, self.y, 1.0
+        else:
+            x1, y, scale = self._x1[idx], self.y[idx], self.num_data / idx.shape[-1]
+        k = theta.shape[0]
+        _, _, f = _kernel._forward(x1, self._weights(theta), self._num_layers - 1, self._act == "tanh",
+                                   x1.dim() == 3, k, x1.shape[-2])
+        ll, _ = self._log_lik(f, y, theta)
+        return ll if scale == 1.0 else ll.mul_(scale)
+
+    @torch.no_grad()
     def log_prior(self, theta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         r"""The prior part of :meth:`value_and_grad`: ``log p`` ``[K]`` and its gradient ``[K, P]``.
 

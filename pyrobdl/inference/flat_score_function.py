@@ -13,7 +13,7 @@ baselines) on the same draws, without distribution objects or autograd:
   (``torch.normal(loc, scale)`` fills the standard normals, then scales and shifts), so a seed
   gives the draws of the other two estimators;
 * the scaled log-likelihood per particle, :math:`A^{(p)}`, from a *forward* pass of the flat
-  kernel (:func:`pyrobdl.flat.kernel._forward`): the score-function estimator needs no
+  kernel (:meth:`pyrobdl.flat.FlatLogJoint.log_likelihood`): the score-function estimator needs no
   gradient through the network;
 * per site :math:`k` (a weight or bias tensor, or the learned noise precision) the
   Rao-Blackwellized downstream cost :math:`c_k^{(p)} = A^{(p)} + \beta(\log p(w_k^{(p)}) - \log
@@ -43,7 +43,6 @@ from typing import Any
 import torch
 
 from ..flat import FlatLayout, FlatLogJoint
-from ..flat import kernel as _kernel
 from .flat_elbo import _FlatLoss
 from .score_function_direct import _BASELINES, DirectScoreFunctionELBO
 
@@ -163,17 +162,6 @@ class FlatScoreFunctionELBO(DirectScoreFunctionELBO):
         return torch.cat([torch.randn(p, *shape, dtype=sigma.dtype, device=sigma.device).reshape(p, -1)
                           for _, _, shape in self._sites], 1)
 
-    def log_likelihood(self, lj: FlatLogJoint, theta: torch.Tensor, subsample: torch.Tensor | None) -> torch.Tensor:
-        """The scaled log-likelihood ``[P]`` at ``theta`` ``[P, D]``: the flat kernel's forward pass alone."""
-        if subsample is None:
-            x1, y, scale = lj._x1, lj.y, 1.0
-        else:
-            x1, y, scale = lj._x1[subsample], lj.y[subsample], lj.num_data / subsample.shape[-1]
-        k = theta.shape[0]
-        _, _, f = _kernel._forward(x1, lj._weights(theta), lj._num_layers - 1, lj._act == "tanh", False, k, x1.shape[0])
-        ll, _ = lj._log_lik(f, y, theta)
-        return ll if scale == 1.0 else ll.mul_(scale)
-
     # ---------------------------------------------------------------------------- the step
     def loss_and_grad(
         self, x: torch.Tensor, y: torch.Tensor, subsample: torch.Tensor | None = None, noise: torch.Tensor | None = None
@@ -209,7 +197,7 @@ class FlatScoreFunctionELBO(DirectScoreFunctionELBO):
         sigma = torch.nn.functional.softplus(rho)
         eps = self.draw(sigma) if noise is None else noise
         theta = (eps * sigma).add_(loc)  # as torch.normal(loc, scale): draw, scale, shift
-        ll = self.log_likelihood(lj, theta, subsample)  # [P]
+        ll = lj.log_likelihood(theta, subsample)  # [P]: the forward pass alone
         beta = self.kl_weight
         own = self._own_terms(lj, theta, eps, sigma)  # [P, S]: log p - log q per site
         if beta != 1.0:
