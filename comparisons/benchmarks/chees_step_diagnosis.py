@@ -99,20 +99,9 @@ def diagnose_blackjax(x, y, x_test, seed: int) -> dict:
     import numpy as np
     import optax
     from blackjax.adaptation.base import get_filter_adapt_info_fn
-    from chees_vs_numpyro import numpyro_model
-    from numpyro.infer.util import initialize_model
     from pyrobdl.diagnostics import convergence
 
-    k_init, k_model, k_warm, k_samp = jax.random.split(jax.random.PRNGKey(seed), 4)
-    potential = initialize_model(k_model, numpyro_model, model_args=(jnp.asarray(x), jnp.asarray(y)),
-                                 dynamic_args=False)[1]
-    tree = cb._prior_positions(k_init, K)
-    unravel = jax.flatten_util.ravel_pytree(jax.tree.map(lambda v: v[0], tree))[1]
-    positions = jax.vmap(lambda t: jax.flatten_util.ravel_pytree(t)[0])(tree)
-
-    def logdensity(z):
-        return -potential(unravel(z))
-
+    k_warm, k_samp, positions, unravel, logdensity = cb.blackjax_problem(x, y, seed, K)
     warmup = blackjax.chees_adaptation(
         logdensity, K, target_acceptance_rate=0.651, max_leapfrog_steps=1024, mass_matrix_estimation="diagonal",
         adaptation_info_fn=get_filter_adapt_info_fn(info_keys={"num_integration_steps", "acceptance_rate"},

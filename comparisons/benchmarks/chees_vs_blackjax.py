@@ -110,6 +110,33 @@ def _function_values(w0, b0, w1, b1, x_test):
     return jnp.einsum("ksmh,ksho->ksmo", h, w1)[..., 0] + b1[:, :, None, :][..., 0]
 
 
+def blackjax_problem(x, y, seed: int, k: int) -> tuple:
+    """The keys, K prior starting points ``[K, P]`` and log density BlackJAX runs on: NumPyro's
+    potential of the model of ``chees_vs_numpyro`` on ``x, y`` (``seed`` splits into the init,
+    model, warm-up and sampling keys). Returns ``(k_warm, k_samp, positions, unravel, logdensity)``.
+
+    The positions are flat ``[K, P]``: blackjax 1.7.1's ChEES averages proposals with a weight
+    broadcast that only fits leaves of shape ``[K, dim]`` (``weighted_empirical_mean``), so the
+    pytree is raveled and ``unravel`` maps one row back."""
+    import jax
+    import jax.flatten_util
+    import jax.numpy as jnp
+    from chees_vs_numpyro import numpyro_model
+    from numpyro.infer.util import initialize_model
+
+    k_init, k_model, k_warm, k_samp = jax.random.split(jax.random.PRNGKey(seed), 4)
+    potential = initialize_model(k_model, numpyro_model, model_args=(jnp.asarray(x), jnp.asarray(y)),
+                                 dynamic_args=False)[1]
+    tree = _prior_positions(k_init, k)
+    unravel = jax.flatten_util.ravel_pytree(jax.tree.map(lambda v: v[0], tree))[1]
+    positions = jax.vmap(lambda t: jax.flatten_util.ravel_pytree(t)[0])(tree)
+
+    def logdensity(z):
+        return -potential(unravel(z))
+
+    return k_warm, k_samp, positions, unravel, logdensity
+
+
 def run_blackjax(x, y, x_test, args) -> tuple[dict, object, object]:
     import blackjax
     import jax
@@ -118,24 +145,9 @@ def run_blackjax(x, y, x_test, args) -> tuple[dict, object, object]:
     import numpy as np
     import optax
     from blackjax.adaptation.base import get_filter_adapt_info_fn
-    from chees_vs_numpyro import numpyro_model
-    from numpyro.infer.util import initialize_model
 
     k = args.chains
-    key = jax.random.PRNGKey(args.seed)
-    k_init, k_model, k_warm, k_samp = jax.random.split(key, 4)
-    xj, yj = jnp.asarray(x), jnp.asarray(y)
-    potential = initialize_model(k_model, numpyro_model, model_args=(xj, yj), dynamic_args=False)[1]
-
-    # flat [K, P] positions: blackjax 1.7.1's ChEES averages proposals with a weight broadcast that
-    # only fits leaves of shape [K, dim] (weighted_empirical_mean), so the pytree is raveled
-    tree = _prior_positions(k_init, k)
-    unravel = jax.flatten_util.ravel_pytree(jax.tree.map(lambda v: v[0], tree))[1]
-    positions = jax.vmap(lambda t: jax.flatten_util.ravel_pytree(t)[0])(tree)
-
-    def logdensity(z):
-        return -potential(unravel(z))
-
+    k_warm, k_samp, positions, unravel, logdensity = blackjax_problem(x, y, args.seed, k)
     warmup = blackjax.chees_adaptation(
         logdensity, k, target_acceptance_rate=0.651, max_leapfrog_steps=1024, mass_matrix_estimation="diagonal",
         adaptation_info_fn=get_filter_adapt_info_fn(info_keys={"num_integration_steps", "is_divergent"}))
