@@ -93,7 +93,11 @@ def _inference_data(posterior: Any, data: Any, num_samples: int) -> Any:
 
 
 def netcdf_bytes(idata: Any) -> bytes:
-    """An ``InferenceData`` as the bytes of a netCDF-4 file (every group, numeric variables zlib-compressed).
+    """An ``InferenceData`` as the bytes of a netCDF-4 file (every group, numeric variables compressed).
+
+    Compression: HDF5's byte shuffle, then zlib at level 1 — on the quickstart's 64-chain gap
+    reference (118.5 MB raw) 70.5 MB in 1.97 CPU s, against zlib's default level 4 without the
+    shuffle, 82.3 MB in 3.32 CPU s (measured 2026-11-28).
 
     Serialised in memory, so that only plain Python file writes touch the disk: HDF5 writing to
     a full disk raised and then crashed the process (segmentation fault while closing the file,
@@ -104,7 +108,7 @@ def netcdf_bytes(idata: Any) -> bytes:
 
     tree = idata.to_datatree()
     encoding = {
-        node.path: {name: {"zlib": True} for name, var in node.dataset.variables.items()
+        node.path: {name: {"zlib": True, "complevel": 1, "shuffle": True} for name, var in node.dataset.variables.items()
                     if var.dtype.kind in "biuf"}
         for node in tree.subtree if node.has_data
     }
