@@ -48,6 +48,7 @@ METHODS: dict[str, tuple[str, dict[str, Any]]] = {
             'trajectory_lr': 0.05,
             'step_size_adaptation': 'windowed',
             'trajectory_adaptation': 'free',
+            'warmup_trajectory_scale': 1.0,
             'adapt_mass_matrix': True,
             'mass_matrix': 'cross-chain',
             'max_num_steps': 1024,

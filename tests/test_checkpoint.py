@@ -39,6 +39,8 @@ CONFIGS = {
     "map start, uniform jitter": dict(init_strategy="map", map_num_steps=20, jitter="uniform"),
     # 4 rungs of 2 chains, the ladder respaced at the end of each window
     "adapted replica exchange": dict(num_chains=8, temperatures=[1.0, 0.6, 0.3, 0.1], adapt_temperatures=True),
+    # the window's dense second moment and the quarter-period ceiling are carried across a kill
+    "eigen trajectory, continuous step": dict(trajectory_adaptation="eigen", step_size_adaptation="continuous"),
 }
 
 

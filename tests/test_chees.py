@@ -553,7 +553,7 @@ def test_cap_during_warm_up_bounds_the_trajectory():
     assert (lengths[1:] <= 3 * tr.step_size[0, 1:] * (1 + 1e-12)).all()
 
 
-def _adam_run(mode, log_t=0.0, step=0.01, cap=100, length=1.0):
+def _adam_run(mode, log_t=0.0, step=0.01, cap=100, length=1.0, ceiling=math.inf):
     """What :func:`chees.run._update_trajectory` reads of a run."""
     from types import SimpleNamespace
 
@@ -562,7 +562,7 @@ def _adam_run(mode, log_t=0.0, step=0.01, cap=100, length=1.0):
     traj = _TrajectoryAdam(log_t=log_t, lr=0.05)
     traj.log_t_avg = log_t
     return SimpleNamespace(options={"trajectory_adaptation": mode}, traj=traj, step=step, cap=cap,
-                           trajectory_length=length)
+                           trajectory_length=length, ceiling=ceiling)
 
 
 def test_trajectory_adaptation_bounds_log_t():
@@ -582,6 +582,76 @@ def test_trajectory_adaptation_bounds_log_t():
     for _ in range(50):
         chees.run._update_trajectory(low, -1.0)
     assert low.traj.log_t == pytest.approx(math.log(0.01))
+    # a quarter-period ceiling below the steps' cap: projected onto it instead
+    ceiled = _adam_run("ceiling", ceiling=0.3)
+    for _ in range(200):
+        chees.run._update_trajectory(ceiled, 1.0)
+    assert ceiled.traj.log_t == pytest.approx(math.log(0.3))
+
+
+def test_quarter_period_is_that_of_the_slowest_whitened_direction():
+    """States drawn from a Gaussian whose whitened covariance has a known top eigenvalue: two unit
+    variances with correlation 0.9 (eigenvalues 1.9 and 0.1) beside independent ones of variance 4
+    (whitened: 1).  The window's estimate of (pi / 2) sqrt(1.9) is within its Monte Carlo error
+    (20,000 states: the top sample eigenvalue's sd is about 1.9 * sqrt(2 / 20,000) = 0.019)."""
+    from pyrobdl.inference.chees.adaptation import WindowVariance, quarter_period
+
+    g = torch.Generator().manual_seed(0)
+    cov = torch.diag(torch.tensor([1.0, 1.0, 4.0, 4.0, 4.0], dtype=torch.float64))
+    cov[0, 1] = cov[1, 0] = 0.9
+    chol = torch.linalg.cholesky(cov)
+    w = WindowVariance("cross-chain", outer=True)
+    for _ in range(500):  # 500 iterations of 40 chains, about a mean of 3
+        w.add(3.0 + torch.randn(40, 5, generator=g, dtype=torch.float64) @ chol.T)
+    var = w.variance()
+    assert torch.allclose(var, torch.diagonal(cov), rtol=0.05)
+    lam = (quarter_period(w, var) / (0.5 * math.pi)) ** 2
+    assert lam == pytest.approx(1.9, abs=4 * 0.019)
+    # whitened by the identity instead, the slowest direction is a variance-4 one
+    assert (quarter_period(w, torch.ones(5, dtype=torch.float64)) / (0.5 * math.pi)) ** 2 == pytest.approx(4.0, abs=0.2)
+    with pytest.raises(RuntimeError, match="outer=True"):
+        quarter_period(WindowVariance("cross-chain"), var)
+
+
+def test_eigen_trajectory_is_the_last_windows_quarter_period():
+    """``trajectory_adaptation="eigen"``: from the first mass-matrix window's end the consumed T is
+    the last window's quarter period, constant between window ends and through sampling;
+    ``"ceiling"``'s T never exceeds it; the default records none."""
+    x, y = small_data()
+    kw = dict(method="chees", num_chains=8, num_warmup=60, num_samples=10, progress=False, seed=1,
+              init_trajectory_length=0.2, step_size_adaptation="continuous")
+    with uncertified():
+        eig = pyrobdl.fit(small_mlp(), x, y, trajectory_adaptation="eigen", **kw)
+    with uncertified():
+        ceil = pyrobdl.fit(small_mlp(), x, y, trajectory_adaptation="ceiling", **kw)
+    with uncertified():
+        free = pyrobdl.fit(small_mlp(), x, y, **kw)
+    ends = chees.adaptation.warmup_windows(60)
+    t_eig = eig.adaptation["trajectory_length"]
+    for a, b in zip(ends, [*ends[1:], 70]):
+        assert (t_eig[a:b] == t_eig[a]).all(), (a, b)
+    q = eig.diagnostics["trajectory_quarter_period"]
+    assert t_eig[-1] == pytest.approx(q, rel=1e-12) and q > 0.2  # not Adam's T from 0.2
+    qc, t_ceil = ceil.diagnostics["trajectory_quarter_period"], ceil.adaptation["trajectory_length"]
+    assert qc is not None and t_ceil[-1] <= qc * (1 + 1e-12)
+    assert free.diagnostics["trajectory_quarter_period"] is None
+    wide = pyrobdl.BayesianMLP(2, (2100,), 1, activation="tanh")  # 8,401 parameters
+    with pytest.raises(ValueError, match=r"P = 8401 > 4096 parameters"):
+        pyrobdl.fit(wide, x, y, trajectory_adaptation="eigen", **{**kw, "num_warmup": 2, "num_samples": 2})
+
+
+def test_warmup_trajectory_scale_shortens_only_the_warmup():
+    """``warmup_trajectory_scale=0.5``: every warm-up iteration takes ceil(0.5 h T / step) leapfrog
+    steps (h its Halton jitter), every sampling iteration ceil(h T / step)."""
+    x, y = small_data()
+    with uncertified():
+        post = pyrobdl.fit(small_mlp(), x, y, method="chees", num_chains=4, num_warmup=30, num_samples=10,
+                           warmup_trajectory_scale=0.5, progress=False, seed=2)
+    a = post.adaptation
+    for it in range(40):
+        scale = 0.5 if it < 30 else 1.0
+        wanted = math.ceil(chees.adaptation.halton(it + 1) * scale * a["trajectory_length"][it] / a["step_size"][it])
+        assert a["num_steps"][it] == max(1, min(1024, wanted)), it
 
 
 def test_continuous_step_size_adaptation_searches_once():
@@ -644,7 +714,13 @@ def test_later_options_at_their_default_leave_a_checkpoints_identity_unchanged()
         ({"step_size_adaptation": "stan"}, ValueError,
          r"unknown step_size_adaptation 'stan'; valid: \['windowed', 'continuous'\]"),
         ({"trajectory_adaptation": "clipped"}, ValueError,
-         r"unknown trajectory_adaptation 'clipped'; valid: \['free', 'projected', 'anchored'\]"),
+         r"unknown trajectory_adaptation 'clipped'; valid: \['free', 'projected', 'anchored', 'ceiling', 'eigen'\]"),
+        ({"trajectory_adaptation": "eigen", "mass_matrix": "per-chain"}, ValueError,
+         r"trajectory_adaptation='eigen' needs one metric for every chain"),
+        ({"trajectory_adaptation": "ceiling", "num_chains": 8, "temperatures": [1.0, 0.5]}, ValueError,
+         r"trajectory_adaptation='ceiling' needs one metric for every chain"),
+        ({"warmup_trajectory_scale": 0.0}, ValueError, r"warmup_trajectory_scale must be in \(0, 1\], got 0.0"),
+        ({"warmup_trajectory_scale": 1.5}, ValueError, r"warmup_trajectory_scale must be in \(0, 1\]"),
         ({"chunk_size": 0}, ValueError, r"chunk_size must be an integer >= 1"),
         ({"chunk_size": "x"}, ValueError, r"chunk_size"),
         ({"step_size": -1}, ValueError, r"step_size must be a finite number > 0 or None"),

@@ -17,8 +17,14 @@ MASS_MATRICES = ("cross-chain", "within-chain", "per-chain")
 STEP_SIZE_ADAPTATIONS = ("windowed", "continuous")
 #: How Adam's log T is kept within reach of the consumed T: not at all, projected onto
 #: [log step, log(max_num_steps * step)] after every update, or re-anchored before every update at
-#: the consumed (clamped moving-average) T, as BlackJAX's ChEES.
-TRAJECTORY_ADAPTATIONS = ("free", "projected", "anchored")
+#: the consumed (clamped moving-average) T, as BlackJAX's ChEES; ``"ceiling"``: projected, and the
+#: consumed T at most a quarter period of the slowest direction of the last mass-matrix window
+#: (:func:`quarter_period`); ``"eigen"``: T that quarter period once a window has ended (BlackJAX's
+#: slow-direction floor, which sets its T in practice), ChEES's Adam before.
+TRAJECTORY_ADAPTATIONS = ("free", "projected", "anchored", "ceiling", "eigen")
+#: The most parameters for which "ceiling" and "eigen" keep a window's dense second moment ([P, P]
+#: in float64: 134 MB at this size; its eigenvalues once per window).
+DENSE_WINDOW_LIMIT = 4096
 
 # Dual averaging constants of Hoffman & Gelman (2014), as Stan, NumPyro and Pyro use them.
 _DA_GAMMA, _DA_T0, _DA_KAPPA = 0.05, 10.0, 0.75
@@ -104,13 +110,14 @@ class WindowVariance:
     float64 about the window's first state, so a variance tiny beside a mean does not cancel.
     """
 
-    def __init__(self, kind: str, groups: int = 1) -> None:
+    def __init__(self, kind: str, groups: int = 1, outer: bool = False) -> None:
         if kind not in MASS_MATRICES:
             raise ValueError(f"unknown mass_matrix {kind!r}; valid: {list(MASS_MATRICES)}")
         if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
             raise ValueError(f"groups must be an integer >= 1, got {groups!r}")
-        self.kind, self.groups = kind, groups
+        self.kind, self.groups, self.outer = kind, groups, outer
         self.shift = self.total = self.total_sq = None
+        self.total_outer: torch.Tensor | None = None  # [P, P], with outer=True
         self.n = 0
 
     def add(self, theta: torch.Tensor) -> None:
@@ -124,6 +131,8 @@ class WindowVariance:
         d = t - self.shift
         self.total += d
         self.total_sq += d * d
+        if self.outer:
+            self.total_outer = d.t() @ d if self.total_outer is None else self.total_outer.addmm_(d.t(), d)
         self.n += 1
 
     def variance(self) -> torch.Tensor:
@@ -179,6 +188,25 @@ class WindowVariance:
                 var = var.view(k, -1)
         est = (n / (n + 5.0)) * var + 1e-3 * (5.0 / (n + 5.0))
         return est if self.kind == "per-chain" else est.repeat_interleave(c, 0)
+
+
+def quarter_period(window: WindowVariance, inv_mass: torch.Tensor) -> float:
+    r"""A quarter period :math:`\frac{\pi}{2}\sqrt{\lambda_{max}}` of the slowest direction of ``window``.
+
+    :math:`\lambda_{max}` is the largest eigenvalue of the window's cross-chain covariance in the
+    coordinates that the diagonal ``inv_mass`` whitens, :math:`D^{-1/2} C D^{-1/2}`; under unit-mass
+    Hamiltonian dynamics a Gaussian direction of variance :math:`\lambda` oscillates with period
+    :math:`2\pi\sqrt{\lambda}` (BlackJAX's ChEES floors its trajectory length at this quarter
+    period).  ``window`` must have been built with ``outer=True`` over at least two iterations.
+    """
+    if window.total_outer is None or window.n < 2:
+        raise RuntimeError("quarter_period needs a window with outer=True and at least 2 iterations")
+    n = window.n * window.total.shape[0]
+    mean = window.total.sum(0) / n
+    cov = (window.total_outer / n - torch.outer(mean, mean)) * (n / (n - 1))
+    root = inv_mass.double().sqrt()
+    lam = float(torch.linalg.eigvalsh(cov / root.unsqueeze(0) / root.unsqueeze(1))[-1])
+    return 0.5 * math.pi * math.sqrt(max(lam, 1e-12))
 
 
 @dataclass

@@ -33,6 +33,7 @@ CHEES_OPTIONS: dict[str, Any] = {
     "trajectory_lr": 0.05,
     "step_size_adaptation": "windowed",
     "trajectory_adaptation": "free",
+    "warmup_trajectory_scale": 1.0,
     "adapt_mass_matrix": True,
     "mass_matrix": "cross-chain",
     "max_num_steps": 1024,
@@ -57,7 +58,7 @@ CHEES_OPTIONS: dict[str, Any] = {
 
 #: Options added after checkpoints were first written, with their defaults (the behaviour before
 #: them): at the default they are left out of a checkpoint's identity, so older checkpoints resume.
-_LATER_OPTIONS = {"step_size_adaptation": "windowed", "trajectory_adaptation": "free"}
+_LATER_OPTIONS = {"step_size_adaptation": "windowed", "trajectory_adaptation": "free", "warmup_trajectory_scale": 1.0}
 
 #: Options that do not change the chains (where and how often they are saved, the kernel, the
 #: thread count, the points the result is diagnosed and certified at) or that a resumed run
@@ -127,6 +128,13 @@ def _check_options(model: Any, options: Mapping[str, Any]) -> None:
     if options["trajectory_adaptation"] not in TRAJECTORY_ADAPTATIONS:
         raise ValueError(f"unknown trajectory_adaptation {options['trajectory_adaptation']!r}; "
                          f"valid: {list(TRAJECTORY_ADAPTATIONS)}")
+    w = options["warmup_trajectory_scale"]
+    if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 < w <= 1:
+        raise ValueError(f"warmup_trajectory_scale must be in (0, 1], got {w!r}")
+    if options["trajectory_adaptation"] in ("ceiling", "eigen") and (
+            options["mass_matrix"] == "per-chain" or options["temperatures"] is not None):
+        raise ValueError(f"trajectory_adaptation={options['trajectory_adaptation']!r} needs one metric for every chain: "
+                         "mass_matrix 'cross-chain' or 'within-chain' and no temperatures")
     if options["mass_matrix"] not in MASS_MATRICES:
         raise ValueError(f"unknown mass_matrix {options['mass_matrix']!r}; valid: {list(MASS_MATRICES)}")
     if options["init_strategy"] not in INIT_STRATEGIES:

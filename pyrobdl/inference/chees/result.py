@@ -3,6 +3,8 @@ trace, cost, diagnostics (adaptation, replica exchange, divergences, E-BFMI) and
 
 from __future__ import annotations
 
+import math
+
 import dataclasses
 import time
 from typing import Any, Mapping
@@ -113,6 +115,8 @@ def _sampler_diagnostics(run: _Run, stats: Mapping[str, np.ndarray], diverging_r
         "ebfmi": [float(e) for e in ebfmi(stats["energy"][:, warm:])],
         "trajectory_length_wanted": float(run.wanted_length),
         "trajectory_length_capped": bool(run.wanted_length > run.cap * run.step * (1 + 1e-12)),
+        # trajectory_adaptation "ceiling" / "eigen": the last window's slowest quarter period
+        "trajectory_quarter_period": float(run.ceiling) if math.isfinite(run.ceiling) else None,
     }
 
 

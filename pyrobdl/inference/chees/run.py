@@ -17,11 +17,11 @@ from ...flat import FlatLogJoint
 from ...posterior import Posterior
 from ..checkpoint import CheckpointError, SamplerCheckpoint, run_identity
 from ..mcmc import MCMCPosterior
-from .adaptation import WindowVariance, _DualAveraging, chees_gradient, halton
+from .adaptation import DENSE_WINDOW_LIMIT, _DualAveraging, chees_gradient, halton, quarter_period
 from .kernel import _compile, _harmonic_mean
 from .options import _LATER_OPTIONS, _NOT_IDENTITY
 from .result import _result
-from .state import _Run, snapshot
+from .state import _Run, new_window, snapshot
 from .tempering import _swap, respace_ladder
 
 
@@ -93,6 +93,10 @@ def _run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[st
     # the inputs the chains are certified at (and, with max_num_samples, extended until they pass)
     points, recorded_points = certification_points(model, x, options)
     lj = FlatLogJoint(model, x, y, chunk_size=options["chunk_size"])
+    if options["trajectory_adaptation"] in ("ceiling", "eigen") and lj.size > DENSE_WINDOW_LIMIT:
+        raise ValueError(f"trajectory_adaptation={options['trajectory_adaptation']!r} keeps a dense [P, P] window "
+                         f"covariance; this model has P = {lj.size} > {DENSE_WINDOW_LIMIT} parameters: use 'free', "
+                         "'projected' or 'anchored'")
     compile_s = _compile(lj, options["num_chains"], options["compile"])
     run = _Run(model, x, options, lj, gen, saved, draws, clock, compile_s)
     saved = None  # the loaded tensors are copied; free them
@@ -156,6 +160,8 @@ def _iterate(run: _Run, it: int) -> int:
     its statistics, and the adaptation (warm-up) or the draw (sampling).  The leapfrog steps taken."""
     run.halton_index += 1
     h = _jitter(run)
+    if it < run.warm:  # warm-up trajectories shortened by warmup_trajectory_scale (ChEES sees the shorter one)
+        h *= run.options["warmup_trajectory_scale"]
     wanted = math.ceil(h * run.trajectory_length / run.step)
     n = max(1, min(run.cap, wanted))
     run.cap_hits[it] = wanted > run.cap
@@ -242,13 +248,18 @@ def _update_trajectory(run: _Run, gradient: float) -> None:
     consumed this iteration (BlackJAX's scheme: the moving average then moves by at most its weight
     times one clipped update), ``"projected"`` clips it to [log step, log(max_num_steps * step)]
     after the step, ``"free"`` leaves it (the iterate can then drift far past what the steps cap
-    lets the chains consume, without feedback)."""
+    lets the chains consume, without feedback); ``"ceiling"`` and ``"eigen"`` clip it to at most the
+    last window's quarter period (:func:`~pyrobdl.inference.chees.adaptation.quarter_period`)."""
     mode, traj = run.options["trajectory_adaptation"], run.traj
     if mode == "anchored":
         traj.log_t = math.log(run.trajectory_length)
     traj.update(gradient)
     if mode == "projected":
         traj.log_t = min(max(traj.log_t, math.log(run.step)), math.log(run.cap * run.step))
+    elif mode in ("ceiling", "eigen") and math.isfinite(run.ceiling):
+        # not also onto the steps' cap: early in the warm-up a small step would pull log T down with
+        # it (measured on the quickstart's gap data: T collapsed to 0.02, not certified)
+        traj.log_t = min(traj.log_t, math.log(run.ceiling))
 
 
 def _respace(run: _Run, it: int) -> None:
@@ -271,7 +282,9 @@ def _end_window(run: _Run, it: int) -> None:
     (``"continuous"``: the dual averaging goes on in the new metric)."""
     sampler = run.sampler
     sampler.inv_mass = run.window.variance().to(run.dtype)
-    run.window = WindowVariance(run.options["mass_matrix"], groups=run.rungs)
+    if run.window.outer:
+        run.ceiling = quarter_period(run.window, sampler.inv_mass)
+    run.window = new_window(run.options, run.rungs)
     run.window_start = it + 1
     if run.options["step_size_adaptation"] == "windowed":
         before = sampler.gradients

@@ -127,7 +127,10 @@ class _Run:
         self.traj.log_t_avg = self.traj.log_t
         self.windows = set(warmup_windows(self.warm)) if options["adapt_mass_matrix"] else set()
         self.window_start = _window_start(self.warm) if self.windows else 0
-        self.window = WindowVariance(options["mass_matrix"], groups=self.rungs)
+        self.window = new_window(options, self.rungs)
+        # the slowest direction's quarter period of the last window (trajectory_adaptation "ceiling"
+        # and "eigen"), unbounded before the first window ends
+        self.ceiling = math.inf
         self.halton_index = 0
         self.trajectory_length = self.wanted_length = math.exp(self.traj.log_t)
 
@@ -152,8 +155,18 @@ class _Run:
         return _rung_rows(values, self.kept, self.dtype, self.device)
 
     def clamped_length(self) -> float:
-        """The moving average of the adapted T, at least one step and at most ``max_num_steps``."""
-        return min(max(math.exp(self.traj.log_t_avg), self.step), self.cap * self.step)
+        """The moving average of the adapted T (``"eigen"``: the ceiling once there is one), at least
+        one step and at most ``max_num_steps`` steps and the ceiling."""
+        wanted = math.exp(self.traj.log_t_avg)
+        if self.options["trajectory_adaptation"] == "eigen" and math.isfinite(self.ceiling):
+            wanted = self.ceiling
+        return min(max(min(wanted, self.ceiling), self.step), self.cap * self.step)
+
+
+def new_window(options: Mapping[str, Any], rungs: int) -> WindowVariance:
+    """An empty mass-matrix window; with the dense second moment where the trajectory needs it."""
+    return WindowVariance(options["mass_matrix"], groups=rungs,
+                          outer=options["trajectory_adaptation"] in ("ceiling", "eigen"))
 
 
 def _restore(run: _Run, saved: Mapping[str, Any]) -> None:
@@ -170,8 +183,10 @@ def _restore(run: _Run, saved: Mapping[str, Any]) -> None:
     run.das = [_DualAveraging(**d) for d in saved["dual_averaging"]]
     run.traj = _TrajectoryAdam(**saved["trajectory_adam"])
     run.trajectory_length, run.wanted_length = float(saved["trajectory_length"]), float(saved["wanted_length"])
-    run.window = WindowVariance(run.options["mass_matrix"], groups=run.rungs)
+    run.window = new_window(run.options, run.rungs)
     run.window.shift, run.window.total, run.window.total_sq = (saved["window"][n] for n in ("shift", "total", "total_sq"))
+    run.window.total_outer = saved["window"].get("total_outer")
+    run.ceiling = float(saved.get("ceiling", math.inf))
     run.window.n, run.window_start = int(saved["window"]["n"]), int(saved["window_start"])
     run.betas, run.ladder_start = [float(b) for b in saved["betas"]], int(saved["ladder_start"])
     run.swap_sum, run.swap_count = saved["swap_sum"], saved["swap_count"].cpu().numpy().copy()
@@ -208,7 +223,9 @@ def snapshot(run: _Run, next_iteration: int) -> dict[str, Any]:
         "dual_averaging": [dataclasses.asdict(d) for d in run.das],
         "trajectory_adam": dataclasses.asdict(run.traj),
         "trajectory_length": run.trajectory_length, "wanted_length": run.wanted_length,
-        "window": {"shift": window.shift, "total": window.total, "total_sq": window.total_sq, "n": window.n},
+        "window": {"shift": window.shift, "total": window.total, "total_sq": window.total_sq, "n": window.n,
+                   "total_outer": window.total_outer},
+        "ceiling": run.ceiling,
         "window_start": run.window_start, "betas": run.betas, "ladder_start": run.ladder_start,
         "swap_sum": run.swap_sum, "swap_count": torch.from_numpy(run.swap_count.copy()),
         "tracker": ({name: getattr(run.tracker, name) for name in _TRACKER} if run.tracker is not None else None),
