@@ -117,6 +117,7 @@ def run_split(name: str, split: int, args: argparse.Namespace) -> dict:
             checkpoint=checkpoint_path(args, name, split), checkpoint_every_s=args.checkpoint_every,
             certify_inputs=held_back, max_num_samples=args.extend_to, extend_by=args.extend_by,
             certify_rhat=args.extend_until if args.extend_to is not None else "auto",
+            **dict(chees_option(o) for o in args.chees_option),
         )
     samples = post.num_draws
     if args.save_draws is not None:
@@ -136,7 +137,8 @@ def run_split(name: str, split: int, args: argparse.Namespace) -> dict:
                      "superchain_size": post.trace.superchain_size, "chunk_size": args.chunk_size,
                      "mass_matrix": args.mass_matrix, "device": args.device,
                      "max_num_steps": args.max_num_steps, "temperatures": args.temperatures,
-                     "adapt_temperatures": args.adapt_temperatures},
+                     "adapt_temperatures": args.adapt_temperatures,
+                     **dict(chees_option(o) for o in args.chees_option)},
         "rmse": scores["rmse"], "test_ll": scores["test_ll"], "coverage_90": scores.get("coverage_90"),
         "certified_split": split_cert.passed, "failures_split": list(split_cert.failures),
         "certified_nested": nested_cert.passed, "failures_nested": list(nested_cert.failures),
@@ -197,6 +199,15 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def chees_option(text: str) -> tuple[str, object]:
+    """``KEY=VALUE`` of ``--chees-option``; the value read as JSON where it parses (numbers, true)."""
+    key, _, value = text.partition("=")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data-dir", default=os.environ.get("PYROBDL_DATA_DIR"))
@@ -253,6 +264,9 @@ def main() -> None:
                              "both need --superchain-starts)")
     parser.add_argument("--save-draws", default=None,
                         help="folder for each run's draws of f at every test input (NAME_splitS_seedK.npz)")
+    parser.add_argument("--chees-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="any other option of fit(method='chees'), e.g. step_size_adaptation=continuous "
+                             "(repeatable; VALUE read as JSON where it parses)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--table", action="store_true", help="print the table of --out and exit")
     args = parser.parse_args()
