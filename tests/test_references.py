@@ -348,19 +348,29 @@ def test_shipped_blr_reference_matches_the_exact_posterior() -> None:
         np.mean(ref.levels * (1 - ref.levels) / stats.norm.pdf(z) ** 2) / 20_000) + ref.meta["rounding"]["quantile_max_in_sd"]
 
 
-def test_shipped_wine_reference_scores_the_uci_split(data_dir) -> None:
-    """wine split 0 (certified with both R-hats at all 160 test inputs) matches the standard split
-    read from the data directory: its inputs' and targets' hashes, and its own RMSE from its mean."""
+WINE_SPLITS = sorted(s for name, s in references.available() if name == "wine")
+
+
+def test_the_wine_references_shipped() -> None:
+    """Split 0 at least; each split stored once (28 kB each)."""
+    assert 0 in WINE_SPLITS and len(WINE_SPLITS) == len(set(WINE_SPLITS))
+
+
+@pytest.mark.parametrize("split", WINE_SPLITS)
+def test_shipped_wine_reference_scores_the_uci_split(data_dir, split) -> None:
+    """Every shipped wine split (certified with both R-hats at all 160 test inputs) matches the
+    standard split read from the data directory: its inputs' and targets' hashes, and its own
+    RMSE from its mean."""
     from pyrobdl import datasets
 
-    ref = references.load("wine", 0)
+    ref = references.load("wine", split)
     assert ref.certified and ref.certification.num_points == ref.num_inputs == 160
     assert ref.certification.rhat_method == "both" and ref.certification.chain_outliers["chains"] == []
-    data = datasets.load_uci("wine", 0, data_dir=str(data_dir))
-    references.check_inputs("wine", 0, data.x_test)
+    data = datasets.load_uci("wine", split, data_dir=str(data_dir))
+    references.check_inputs("wine", split, data.x_test)
     y = data.y_test.double().numpy() * data.y_std + data.y_mean
-    out = references.score("wine", 0, np.tile(ref.mean, (4, 1)), noise_sd_draws=1.0, y_test=y)
+    out = references.score("wine", split, np.tile(ref.mean, (4, 1)), noise_sd_draws=1.0, y_test=y)
     assert out["rmse"] == pytest.approx(ref.meta["reference_metrics"]["rmse"], rel=1e-6)
     assert out["w2_function_in_sd"] > 0.5  # a point mass at the mean is far from the posterior
     with pytest.raises(ValueError):
-        references.check_inputs("wine", 0, data.x_test[::-1].contiguous())
+        references.check_inputs("wine", split, data.x_test[::-1].contiguous())
