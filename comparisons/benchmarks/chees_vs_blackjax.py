@@ -256,12 +256,13 @@ def run_chees(x, y, x_test, args) -> tuple[dict, object, object]:
 
 
 def _option(text: str) -> tuple[str, object]:
-    """``KEY=VALUE`` of ``--chees-option``; the value read as JSON where it parses (numbers, true)."""
-    key, _, value = text.partition("=")
-    try:
-        return key, json.loads(value)
-    except json.JSONDecodeError:
-        return key, value
+    """``KEY=VALUE`` of ``--chees-option``, parsed as ``comparisons/uci_references.py`` parses its own."""
+    parent = str(Path(__file__).resolve().parents[1])
+    if parent not in sys.path:
+        sys.path.insert(0, parent)
+    from uci_references import chees_option
+
+    return chees_option(text)
 
 
 # --------------------------------------------------------------------------- one certification
