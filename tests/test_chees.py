@@ -609,6 +609,12 @@ def test_quarter_period_is_that_of_the_slowest_whitened_direction():
     assert lam == pytest.approx(1.9, abs=4 * 0.019)
     # whitened by the identity instead, the slowest direction is a variance-4 one
     assert (quarter_period(w, torch.ones(5, dtype=torch.float64)) / (0.5 * math.pi)) ** 2 == pytest.approx(4.0, abs=0.2)
+    # a within-chain window sums each chain about its own first state: the same covariance, pooled
+    within = WindowVariance("within-chain", outer=True)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(500):
+        within.add(3.0 + torch.randn(40, 5, generator=g, dtype=torch.float64) @ chol.T)
+    assert quarter_period(within, var) == pytest.approx(quarter_period(w, var), rel=1e-9)
     with pytest.raises(RuntimeError, match="outer=True"):
         quarter_period(WindowVariance("cross-chain"), var)
 

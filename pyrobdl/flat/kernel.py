@@ -28,10 +28,7 @@ def value_and_grad(
     ``idx``: minibatch indices ``[B]`` or ``[K, B]`` (the likelihood scaled by N/B), or None;
     ``functional``: no ``out=`` writes (for ``torch.compile``).  Call under ``torch.no_grad``.
     """
-    if idx is None:
-        x1, y, scale = lj._x1, lj.y, 1.0
-    else:  # idx [B], or [K, B]: each row of theta on its own minibatch
-        x1, y, scale = lj._x1[idx], lj.y[idx], lj.num_data / idx.shape[-1]
+    x1, y, scale = batch(lj, idx)
     per_row = x1.dim() == 3  # [K, B, in+1]
     k, b = theta.shape[0], x1.shape[-2]
     tanh = lj._act == "tanh"
@@ -55,6 +52,14 @@ def value_and_grad(
     g, factor = _backward_hidden(lj, gf, zs, layers, grad, last, tanh, homogeneous, functional, k, b)
     _backward_layer0(lj, g, x1, w0aug, factor, grad, last, homogeneous, per_row, k, b)
     return logp, grad
+
+
+def batch(lj: Any, idx: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """The augmented inputs, targets and likelihood scale of ``lj`` on minibatch ``idx``: all the data
+    and 1 for None; ``[B]`` (or ``[K, B]``, each row of theta on its own minibatch) and N / B."""
+    if idx is None:
+        return lj._x1, lj.y, 1.0
+    return lj._x1[idx], lj.y[idx], lj.num_data / idx.shape[-1]
 
 
 def _forward(x1, layers, last, tanh, per_row, k, b):

@@ -306,10 +306,7 @@ class FlatLogJoint:
         ``idx`` as in :meth:`value_and_grad` (``[B]`` or ``[K, B]``; the likelihood scaled by N/B).
         """
         self._check_idx(idx, theta.shape[0])
-        if idx is None:
-            x1, y, scale = self._x1, self.y, 1.0
-        else:
-            x1, y, scale = self._x1[idx], self.y[idx], self.num_data / idx.shape[-1]
+        x1, y, scale = _kernel.batch(self, idx)
         k = theta.shape[0]
         _, _, f = _kernel._forward(x1, self._weights(theta), self._num_layers - 1, self._act == "tanh",
                                    x1.dim() == 3, k, x1.shape[-2])

@@ -17,11 +17,13 @@ MASS_MATRICES = ("cross-chain", "within-chain", "per-chain")
 STEP_SIZE_ADAPTATIONS = ("windowed", "continuous")
 #: How Adam's log T is kept within reach of the consumed T: not at all, projected onto
 #: [log step, log(max_num_steps * step)] after every update, or re-anchored before every update at
-#: the consumed (clamped moving-average) T, as BlackJAX's ChEES; ``"ceiling"``: projected, and the
-#: consumed T at most a quarter period of the slowest direction of the last mass-matrix window
-#: (:func:`quarter_period`); ``"eigen"``: T that quarter period once a window has ended (BlackJAX's
-#: slow-direction floor, which sets its T in practice), ChEES's Adam before.
+#: the consumed (clamped moving-average) T, as BlackJAX's ChEES; ``"ceiling"``: free, but Adam's
+#: iterate and the consumed T at most a quarter period of the slowest direction of the last
+#: mass-matrix window (:func:`quarter_period`); ``"eigen"``: T that quarter period once a window has
+#: ended (BlackJAX's slow-direction floor, which sets its T in practice), ChEES's Adam before.
 TRAJECTORY_ADAPTATIONS = ("free", "projected", "anchored", "ceiling", "eigen")
+#: The trajectory adaptations that need each window's dense second moment (:func:`quarter_period`).
+QUARTER_PERIOD_ADAPTATIONS = ("ceiling", "eigen")
 #: The most parameters for which "ceiling" and "eigen" keep a window's dense second moment ([P, P]
 #: in float64: 134 MB at this size; its eigenvalues once per window).
 DENSE_WINDOW_LIMIT = 4096
@@ -197,13 +199,20 @@ def quarter_period(window: WindowVariance, inv_mass: torch.Tensor) -> float:
     coordinates that the diagonal ``inv_mass`` whitens, :math:`D^{-1/2} C D^{-1/2}`; under unit-mass
     Hamiltonian dynamics a Gaussian direction of variance :math:`\lambda` oscillates with period
     :math:`2\pi\sqrt{\lambda}` (BlackJAX's ChEES floors its trajectory length at this quarter
-    period).  ``window`` must have been built with ``outer=True`` over at least two iterations.
+    period).  The covariance is over all chains and iterations whatever the window's ``kind``.
+    ``window`` (one group) must have been built with ``outer=True`` over at least two iterations.
     """
     if window.total_outer is None or window.n < 2:
         raise RuntimeError("quarter_period needs a window with outer=True and at least 2 iterations")
     n = window.n * window.total.shape[0]
-    mean = window.total.sum(0) / n
-    cov = (window.total_outer / n - torch.outer(mean, mean)) * (n / (n - 1))
+    second, first = window.total_outer, window.total.sum(0)
+    if window.shift.dim() == 2:  # each chain summed about its own first state: pool about their mean
+        off = window.shift - window.shift.mean(0)
+        cross = window.total.t() @ off
+        second = second + cross + cross.t() + window.n * (off.t() @ off)
+        first = first + window.n * off.sum(0)
+    mean = first / n
+    cov = (second / n - torch.outer(mean, mean)) * (n / (n - 1))
     root = inv_mass.double().sqrt()
     lam = float(torch.linalg.eigvalsh(cov / root.unsqueeze(0) / root.unsqueeze(1))[-1])
     return 0.5 * math.pi * math.sqrt(max(lam, 1e-12))

@@ -12,7 +12,7 @@ from ...diagnostics.certification import check_certify_inputs
 from ...flat import _check_supported
 from ..starts import check_spread
 from ..registry import require_proper_prior
-from .adaptation import MASS_MATRICES, STEP_SIZE_ADAPTATIONS, TRAJECTORY_ADAPTATIONS
+from .adaptation import MASS_MATRICES, QUARTER_PERIOD_ADAPTATIONS, STEP_SIZE_ADAPTATIONS, TRAJECTORY_ADAPTATIONS
 
 #: Starting points of the chains.
 INIT_STRATEGIES = ("prior", "map", "ensemble")
@@ -131,10 +131,10 @@ def _check_options(model: Any, options: Mapping[str, Any]) -> None:
     w = options["warmup_trajectory_scale"]
     if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 < w <= 1:
         raise ValueError(f"warmup_trajectory_scale must be in (0, 1], got {w!r}")
-    if options["trajectory_adaptation"] in ("ceiling", "eigen") and (
+    if options["trajectory_adaptation"] in QUARTER_PERIOD_ADAPTATIONS and (
             options["mass_matrix"] == "per-chain" or options["temperatures"] is not None):
-        raise ValueError(f"trajectory_adaptation={options['trajectory_adaptation']!r} needs one metric for every chain: "
-                         "mass_matrix 'cross-chain' or 'within-chain' and no temperatures")
+        raise ValueError(f"trajectory_adaptation={options['trajectory_adaptation']!r} needs one metric for every "
+                         "chain: mass_matrix 'cross-chain' or 'within-chain' and no temperatures")
     if options["mass_matrix"] not in MASS_MATRICES:
         raise ValueError(f"unknown mass_matrix {options['mass_matrix']!r}; valid: {list(MASS_MATRICES)}")
     if options["init_strategy"] not in INIT_STRATEGIES:

@@ -3,9 +3,8 @@ trace, cost, diagnostics (adaptation, replica exchange, divergences, E-BFMI) and
 
 from __future__ import annotations
 
-import math
-
 import dataclasses
+import math
 import time
 from typing import Any, Mapping
 

@@ -17,7 +17,8 @@ from ...flat import FlatLogJoint
 from ...posterior import Posterior
 from ..checkpoint import CheckpointError, SamplerCheckpoint, run_identity
 from ..mcmc import MCMCPosterior
-from .adaptation import DENSE_WINDOW_LIMIT, _DualAveraging, chees_gradient, halton, quarter_period
+from .adaptation import (DENSE_WINDOW_LIMIT, QUARTER_PERIOD_ADAPTATIONS, _DualAveraging, chees_gradient, halton,
+                         quarter_period)
 from .kernel import _compile, _harmonic_mean
 from .options import _LATER_OPTIONS, _NOT_IDENTITY
 from .result import _result
@@ -93,7 +94,7 @@ def _run_chees(model: Any, x: torch.Tensor, y: torch.Tensor, options: Mapping[st
     # the inputs the chains are certified at (and, with max_num_samples, extended until they pass)
     points, recorded_points = certification_points(model, x, options)
     lj = FlatLogJoint(model, x, y, chunk_size=options["chunk_size"])
-    if options["trajectory_adaptation"] in ("ceiling", "eigen") and lj.size > DENSE_WINDOW_LIMIT:
+    if options["trajectory_adaptation"] in QUARTER_PERIOD_ADAPTATIONS and lj.size > DENSE_WINDOW_LIMIT:
         raise ValueError(f"trajectory_adaptation={options['trajectory_adaptation']!r} keeps a dense [P, P] window "
                          f"covariance; this model has P = {lj.size} > {DENSE_WINDOW_LIMIT} parameters: use 'free', "
                          "'projected' or 'anchored'")
@@ -256,7 +257,7 @@ def _update_trajectory(run: _Run, gradient: float) -> None:
     traj.update(gradient)
     if mode == "projected":
         traj.log_t = min(max(traj.log_t, math.log(run.step)), math.log(run.cap * run.step))
-    elif mode in ("ceiling", "eigen") and math.isfinite(run.ceiling):
+    elif mode in QUARTER_PERIOD_ADAPTATIONS and math.isfinite(run.ceiling):
         # not also onto the steps' cap: early in the warm-up a small step would pull log T down with
         # it (measured on the quickstart's gap data: T collapsed to 0.02, not certified)
         traj.log_t = min(traj.log_t, math.log(run.ceiling))

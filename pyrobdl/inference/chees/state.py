@@ -13,7 +13,8 @@ import numpy as np
 import torch
 
 from ...flat import FlatLogJoint
-from .adaptation import WindowVariance, _DualAveraging, _TrajectoryAdam, _window_start, warmup_windows
+from .adaptation import (QUARTER_PERIOD_ADAPTATIONS, WindowVariance, _DualAveraging, _TrajectoryAdam, _window_start,
+                         warmup_windows)
 from .kernel import _Sampler
 from .starts import _starting_points
 from .tempering import _ReplicaTracker, _rung_rows, _Tempered
@@ -166,7 +167,7 @@ class _Run:
 def new_window(options: Mapping[str, Any], rungs: int) -> WindowVariance:
     """An empty mass-matrix window; with the dense second moment where the trajectory needs it."""
     return WindowVariance(options["mass_matrix"], groups=rungs,
-                          outer=options["trajectory_adaptation"] in ("ceiling", "eigen"))
+                          outer=options["trajectory_adaptation"] in QUARTER_PERIOD_ADAPTATIONS)
 
 
 def _restore(run: _Run, saved: Mapping[str, Any]) -> None:
