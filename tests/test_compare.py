@@ -554,7 +554,8 @@ def small_quickstart(tmp_path: Path) -> Path:
         doc["gradient_variance"].update(num_draws=10, baseline_warmup=5)
     for ds in doc["datasets"].values():
         ds.update({k: v for k, v in {"num_train": 30, "num_test": 40}.items() if k in ds})
-    for table in doc["methods"].values():
+    overrides = [t for ds in doc["datasets"].values() for t in ds.get("overrides", {}).values()]
+    for table in [*doc["methods"].values(), *overrides]:
         for key, small in {"num_steps": 40, "num_warmup": 15, "num_samples": 15, "num_chains": 2,
                            "max_tree_depth": 3, "map_num_steps": 20, "num_particles": 4,
                            "max_num_samples": 25}.items():

@@ -44,6 +44,7 @@ from .mcmc_kernels import (
     _check_options,
     _Counted,
     _direct_potential,
+    _flat_potential,
     _HMC,
     _NUTS,
 )
@@ -136,7 +137,8 @@ def _check_model(model: Any, options: Mapping[str, Any]) -> None:
     from ..diagnostics.certification import check_certify_inputs
 
     check_certify_inputs(model, options)
-    if options["init_strategy"] == "ensemble":  # trained on the flat log joint: refuse what it cannot do
+    # the ensemble start and the flat potential use the flat log joint: refuse what it cannot do
+    if options["init_strategy"] == "ensemble" or options["potential"] == "flat":
         from ..flat import _check_supported
 
         _check_supported(model)
@@ -183,8 +185,11 @@ def run_mcmc(
     Raises
     ------
     ValueError
-        With ``potential="direct"``, if the direct potential disagrees with Pyro's traced one
-        at a chain's starting point (the model has terms the direct potential does not know).
+        With ``potential="direct"`` or ``"flat"``, if that potential disagrees with Pyro's traced
+        one at a chain's starting point (the model has terms it does not know).
+    TypeError
+        With ``potential="flat"``, for a prior, likelihood or activation the flat log joint does
+        not implement (before any chain runs).
 
     Warns
     -----
@@ -207,7 +212,8 @@ def run_mcmc(
     _, traced, transforms, _ = initialize_model(
         model, (x, y), jit_compile=jit, skip_jit_warnings=True, init_strategy=init_to_sample
     )
-    potential = _direct_potential(model, x, y, transforms) if options["potential"] == "direct" else traced
+    potential = {"direct": lambda: _direct_potential(model, x, y, transforms),
+                 "flat": lambda: _flat_potential(model, x, y), "trace": lambda: traced}[options["potential"]]()
     map_grads, members = 0, None
     if options["init_strategy"] == "ensemble":
         # one batched deep ensemble (docs/methods/ensemble.md), one member per chain
@@ -272,8 +278,8 @@ def _run_chain(model: Any, x: torch.Tensor, y: torch.Tensor, method: str, potent
     leapfrog steps (step-size searches, initialisation); ``chain`` (0-based) names its progress bar."""
     potential, transforms = potential
     init, plain, _, _ = initialize_model(model, (x, y), init_strategy=strategy)
-    if options["potential"] == "direct":
-        _check_direct(potential, plain, init)
+    if options["potential"] != "trace":
+        _check_direct(potential, plain, init, options["potential"])
     counter = _Counted(potential)
     kernel = _make_kernel(method, counter, transforms, options)
     kernel._start_recording(counter)

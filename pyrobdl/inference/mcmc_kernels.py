@@ -1,6 +1,7 @@
 """Pyro's HMC and NUTS kernels as pyrobdl runs them (methods "hmc" and "nuts"): kernels that record
 per-iteration statistics (:class:`_Recording`); HMC with NumPyro's step count, jitter and a step cap
-(:class:`_HMC`); the potential evaluated without tracing the model (:func:`_direct_potential`); the
+(:class:`_HMC`); the potential evaluated without tracing the model (:func:`_direct_potential`,
+:func:`_flat_potential`); the
 validation of the options they take (:func:`_check_options`).  :mod:`pyrobdl.inference.mcmc` runs
 the chains with them and holds their posterior."""
 
@@ -17,7 +18,7 @@ from ..guides.base import model_sites
 #: How each chain's starting point is chosen.
 INIT_STRATEGIES = ("median", "sample", "map", "ensemble")
 #: How the potential energy (minus the log joint) is evaluated.
-POTENTIALS = ("trace", "direct")
+POTENTIALS = ("trace", "direct", "flat")
 
 # the largest number of leapfrog steps of one HMC iteration by default: the budget of NUTS's
 # default tree depth 10 (2**10 - 1 steps; HMC_OPTIONS of pyrobdl.inference.mcmc says why a cap)
@@ -170,15 +171,52 @@ def _direct_potential(model: Any, x: torch.Tensor, y: torch.Tensor, transforms: 
     return potential
 
 
-def _check_direct(direct: Callable, traced: Callable, z: Mapping[str, torch.Tensor]) -> None:
+class _FlatPotentialFn(torch.autograd.Function):
+    """Minus the flat log joint of one flat vector, with its hand-written gradient as the backward."""
+
+    @staticmethod
+    def forward(ctx: Any, theta: torch.Tensor, lj: Any) -> torch.Tensor:
+        value, grad = lj.value_and_grad(theta.unsqueeze(0))
+        ctx.save_for_backward(grad[0])
+        return -value[0]
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (grad,) = ctx.saved_tensors
+        return -grad * grad_output, None
+
+
+def _flat_potential(model: Any, x: torch.Tensor, y: torch.Tensor) -> Callable:
+    r"""Pyro's potential energy from :class:`pyrobdl.flat.FlatLogJoint`: its value and its
+    hand-written gradient, as a function of Pyro's unconstrained sites.
+
+    The flat log joint is minus Pyro's potential on the unchanged model, value and gradient
+    (``tests/test_flat.py``); here each site's unconstrained tensor is packed in the flat layout's
+    order (Pyro's transform of a positive site is the exponential, the layout's ``"exp"``) and
+    autograd's backward returns the flat gradient, so Pyro's integrator (``potential_grad``)
+    runs unchanged on it.  Refuses a model the flat path does not implement (``TypeError``/
+    ``ValueError`` from ``FlatLogJoint``) when it is built, before any chain runs.
+    """
+    from ..flat import FlatLogJoint
+
+    lj = FlatLogJoint(model, x, y)
+    names = [s.name for s in lj.layout.sites]
+
+    def potential(z: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return _FlatPotentialFn.apply(torch.cat([z[name].reshape(-1) for name in names]), lj)
+
+    return potential
+
+
+def _check_direct(direct: Callable, traced: Callable, z: Mapping[str, torch.Tensor], name: str = "direct") -> None:
     with torch.no_grad():
         a, b = float(direct(z)), float(traced(z))
     # float32 sums over N data points; anything beyond rounding means the model has grown a
     # site or a term the direct potential does not know.
     if not math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-3):
         raise ValueError(
-            f"potential='direct' gives {a:.6g} but Pyro's traced model gives {b:.6g} at the initial "
-            "point: the model has terms the direct potential does not cover; use potential='trace'"
+            f"potential={name!r} gives {a:.6g} but Pyro's traced model gives {b:.6g} at the initial "
+            f"point: the model has terms the {name} potential does not cover; use potential='trace'"
         )
 
 
