@@ -1,0 +1,40 @@
+#!/bin/bash
+# The README's main job (quickstart compare + report) of an earlier commit and of this checkout,
+# one after the other, REPS times: CPU seconds of each command and inside each fit (issue 41, req. 4).
+#
+#   bash comparisons/benchmarks/quickstart_pair.sh OLD_REV [REPS]      # e.g. d115d86 3
+#
+# The old commit runs from a temporary git worktree (removed at the end), the new one from this
+# checkout; results go to temporary folders.  Needs the package's environment active and the data
+# directory set (PYROBDL_DATA_DIR) as for the README's commands.  Read the pairs' ratios: on a
+# shared machine the absolute CPU seconds move between windows.
+set -euo pipefail
+old_rev=${1:?usage: quickstart_pair.sh OLD_REV [REPS]}
+reps=${2:-2}
+here=$(cd "$(dirname "$0")/../.." && pwd)
+tmp=$(mktemp -d)
+trap 'git -C "$here" worktree remove --force "$tmp/old" >/dev/null 2>&1 || true; rm -rf "$tmp"' EXIT
+git -C "$here" worktree add --detach "$tmp/old" "$old_rev" >/dev/null 2>&1
+for rep in $(seq "$reps"); do
+  for v in old new; do
+    if [ "$v" = old ]; then root="$tmp/old"; else root="$here"; fi
+    out="$tmp/results_${v}_$rep"
+    echo "$(date -u +%T) $v ($(git -C "$root" rev-parse --short HEAD)) pair $rep, load $(cut -d' ' -f1-3 /proc/loadavg)"
+    (cd "$root" && PYTHONPATH="$root" /usr/bin/time -f "  compare: %U user %S sys %e wall" \
+        pyrobdl compare comparisons/quickstart.toml --no-progress --out "$out" > /dev/null) 2>&1 | tail -1
+    (cd "$root" && PYTHONPATH="$root" /usr/bin/time -f "  report: %U user %S sys %e wall" \
+        pyrobdl report "$out" > /dev/null) 2>&1 | tail -1
+    python - "$out" <<'PY'
+import glob, json, sys
+rows, total = [], 0.0
+for f in sorted(glob.glob(sys.argv[1] + "/cells/*/result.json")):
+    r = json.load(open(f))
+    c = r["cost"]["cpu_time_s"]
+    total += c
+    cert = f" (certified {r['certification'].get('passed')})" if r.get("is_reference") else ""
+    rows.append(f"{r['dataset']}/{r['method']} {c:.2f}{cert}")
+print(f"  inside the fits: {total:.1f} CPU s")
+print("  " + "; ".join(rows))
+PY
+  done
+done
