@@ -277,6 +277,21 @@ def test_bad_options_raise_before_running(monkeypatch, method, options, match):
         pyrobdl.fit(small_mlp(), x, y, method=method, progress=False, **options)
 
 
+def test_auto_potential_is_flat_where_the_flat_log_joint_applies():
+    class MyPrior(pyrobdl.priors.Gaussian):  # a user's own prior: only Pyro's trace knows it
+        pass
+
+    x, y = small_data()
+    kw = dict(method="hmc", num_chains=1, num_steps=2, **TINY)
+    cases = [(small_mlp(), {}, "flat"), (small_mlp(), {"jit_compile": True}, "trace"),
+             (pyrobdl.BayesianMLP(2, (4,), 1, prior=MyPrior(1.0)), {}, "trace"),
+             (small_mlp(), {"potential": "direct"}, "direct")]
+    for model, extra, expected in cases:
+        with uncertified():
+            post = pyrobdl.fit(model, x, y, **kw, **extra)
+        assert post.settings["potential"] == expected, (extra, expected)
+
+
 def test_flat_potential_refuses_a_model_it_does_not_implement_before_running(monkeypatch):
     import pyrobdl.inference.mcmc as mcmc
 
@@ -424,11 +439,13 @@ def test_init_strategies_run(init):
 
 # ----------------------------------------------------------------- direct and flat potentials
 @pytest.mark.parametrize("kind", ["direct", "flat"])
-@pytest.mark.parametrize("likelihood", ["fixed", "learned"])
+@pytest.mark.parametrize("likelihood", ["fixed", "learned", "categorical"])
 def test_direct_and_flat_potentials_equal_pyros_traced_potential(kind, likelihood):
     x, y = small_data()
-    lik = pyrobdl.likelihoods.GaussianLearnedPrecision(3.0, 2.0) if likelihood == "learned" else None
-    model = small_mlp(lik)
+    if likelihood == "categorical":
+        model, y = small_mlp(pyrobdl.likelihoods.Categorical(), out_features=3), (y > 0).long() + (y > 0.5).long()
+    else:
+        model = small_mlp(pyrobdl.likelihoods.GaussianLearnedPrecision(3.0, 2.0) if likelihood == "learned" else None)
     _, traced, transforms, _ = initialize_model(model, (x, y), init_strategy=init_to_sample)
     direct = _direct_potential(model, x, y, transforms) if kind == "direct" else _flat_potential(model, x, y)
     for seed in range(3):

@@ -46,6 +46,7 @@ from .mcmc_kernels import (
     _direct_potential,
     _flat_potential,
     _HMC,
+    _resolve_potential,
     _NUTS,
 )
 from .registry import Method, fit, register_method, require_proper_prior
@@ -63,7 +64,7 @@ _COMMON = {
     "adapt_mass_matrix": True,
     "full_mass": False,
     "jit_compile": False,
-    "potential": "trace",
+    "potential": "auto",
     "init_strategy": "sample",
     "map_num_steps": 1000,
     "map_lr": 1e-2,
@@ -206,6 +207,7 @@ def run_mcmc(
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     start, cpu_start = time.perf_counter(), time.process_time()
+    options = {**options, "potential": _resolve_potential(model, options)}  # the settings say which ran
     jit = options["jit_compile"] and options["potential"] == "trace"
     # One potential for all chains, built before the per-chain seeds take over, so a
     # jit-compiled potential is traced once rather than once per chain.

@@ -17,8 +17,8 @@ from ..guides.base import model_sites
 
 #: How each chain's starting point is chosen.
 INIT_STRATEGIES = ("median", "sample", "map", "ensemble")
-#: How the potential energy (minus the log joint) is evaluated.
-POTENTIALS = ("trace", "direct", "flat")
+#: How the potential energy (minus the log joint) is evaluated ("auto": :func:`_resolve_potential`).
+POTENTIALS = ("auto", "trace", "direct", "flat")
 
 # the largest number of leapfrog steps of one HMC iteration by default: the budget of NUTS's
 # default tree depth 10 (2**10 - 1 steps; HMC_OPTIONS of pyrobdl.inference.mcmc says why a cap)
@@ -208,6 +208,23 @@ def _flat_potential(model: Any, x: torch.Tensor, y: torch.Tensor) -> Callable:
     return potential
 
 
+def _resolve_potential(model: Any, options: Mapping[str, Any]) -> str:
+    """The potential ``potential="auto"`` stands for: ``"trace"`` under ``jit_compile`` (which
+    compiles Pyro's traced potential) or for a model the flat log joint does not implement (a
+    user's own prior or likelihood class), else ``"flat"``; any other value is returned as given."""
+    if options["potential"] != "auto":
+        return options["potential"]
+    if options["jit_compile"]:
+        return "trace"
+    from ..flat import _check_supported
+
+    try:
+        _check_supported(model)
+    except (TypeError, ValueError):
+        return "trace"
+    return "flat"
+
+
 def _check_direct(direct: Callable, traced: Callable, z: Mapping[str, torch.Tensor], name: str = "direct") -> None:
     with torch.no_grad():
         a, b = float(direct(z)), float(traced(z))
@@ -251,8 +268,8 @@ def _check_options(options: Mapping[str, Any]) -> None:
 
     if options["potential"] not in POTENTIALS:
         raise ValueError(f"unknown potential {options['potential']!r}; valid: {list(POTENTIALS)}")
-    if options["jit_compile"] and options["potential"] != "trace":
-        raise ValueError("jit_compile=True compiles Pyro's traced potential: it needs potential='trace'")
+    if options["jit_compile"] and options["potential"] not in ("trace", "auto"):
+        raise ValueError("jit_compile=True compiles Pyro's traced potential: it needs potential='trace' (or 'auto')")
     if "max_tree_depth" in options:
         _int(options, "max_tree_depth", 1)
     if "trajectory_length" in options:
