@@ -357,9 +357,14 @@ def main(argv=None) -> int:
     p.add_argument("--chees-option", action="append", default=[], metavar="KEY=VALUE",
                    help="a fit option of chees (repeatable), e.g. init_trajectory_length=0.1; recorded in the row")
     p.add_argument("--blackjax-step-size", type=float, default=0.05, help="BlackJAX's initial step size")
+    p.add_argument("--cpu-core", type=int, default=None, metavar="N",
+                   help="run on CPU core N only (set before torch or JAX starts a thread): CPU seconds are then "
+                   "one core's; without it a helper thread of JAX's can add a second core's time where one is idle")
     p.add_argument("--out", help="append the run's JSON line here")
     p.add_argument("--table", metavar="JSONL", help="print the Markdown table of these runs and stop")
     args = p.parse_args(argv)
+    if args.cpu_core is not None:
+        os.sched_setaffinity(0, {args.cpu_core})
     if args.table:
         print(table(args.table))
         return 0
@@ -397,7 +402,7 @@ def main(argv=None) -> int:
     row.update(sampler=args.sampler, chains=args.chains, warmup=args.warmup, samples=args.samples, seed=args.seed,
                device=args.device, device_name=device_name(args.device), compile=args.compile,
                chees_options=dict(_option(o) for o in args.chees_option),
-               load=load())
+               load=load(), cpu_core=args.cpu_core)
     line = json.dumps(row)
     print(line, flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
