@@ -363,8 +363,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="append the run's JSON line here")
     p.add_argument("--table", metavar="JSONL", help="print the Markdown table of these runs and stop")
     args = p.parse_args(argv)
-    if args.cpu_core is not None:
-        os.sched_setaffinity(0, {args.cpu_core})
+    if args.cpu_core is not None:  # every thread, before torch or JAX starts more (nuts_vs_numpyro.pin_to_core)
+        for tid in os.listdir("/proc/self/task"):
+            os.sched_setaffinity(int(tid), {args.cpu_core})
     if args.table:
         print(table(args.table))
         return 0

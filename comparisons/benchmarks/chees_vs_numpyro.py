@@ -88,7 +88,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from nuts_vs_numpyro import (  # noqa: E402
-    CONCENTRATION, NUM_EVAL, RATE, D, H, make_data, make_test_inputs, run_numpyro, summarise,
+    CONCENTRATION, NUM_EVAL, RATE, D, H, make_data, make_test_inputs, pin_to_core, run_numpyro, summarise,
 )
 
 import pyrobdl  # noqa: E402
@@ -477,7 +477,10 @@ def main() -> None:
     parser.add_argument("--skip-micro", action="store_true")
     parser.add_argument("--skip-end-to-end", action="store_true")
     parser.add_argument("--out", help="write the settings and rows as JSON here")
+    parser.add_argument("--cpu-core", type=int, default=None, metavar="N",
+                        help="run on CPU core N only (nuts_vs_numpyro.pin_to_core)")
     args = parser.parse_args()
+    pin_to_core(args.cpu_core)
     if args.chees_warmup is None:
         args.chees_warmup = args.numpyro_warmup
     if args.chees_draws is None:

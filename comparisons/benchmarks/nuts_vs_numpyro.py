@@ -24,6 +24,7 @@ Usage::
 
     nice -n 10 python comparisons/benchmarks/nuts_vs_numpyro.py [--warmup 100] [--samples 100]
         [--chains 2] [--max-tree-depth 7] [--seed 0] [--skip NAME ...] [--profile] [--out FILE]
+        [--cpu-core N]
 
 The defaults keep one run within ~15 minutes on a shared 2-core machine: a 1x50 network hits
 the maximum tree depth at nearly every iteration, so each iteration costs 2^depth - 1 gradients.
@@ -62,6 +63,18 @@ PYRO_VARIANTS = {
     "pyrobdl NUTS, direct potential": dict(potential="direct", jit_compile=False),
     "pyrobdl NUTS, flat potential": dict(potential="flat", jit_compile=False),
 }
+
+
+def pin_to_core(core: int | None) -> None:
+    """Run every thread of this process (and the threads it starts later) on CPU core ``core`` only.
+
+    CPU seconds are then one core's: without it a helper thread of JAX's runs on any idle core,
+    and JAX's CPU time exceeded its wall time by 1.6-1.7x on the 2-core machine at load 1.5-2
+    (docs/benchmarks/chees.md, "One core each").  None: no change."""
+    if core is None:
+        return
+    for tid in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(tid), {core})
 
 
 def make_data(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -223,7 +236,9 @@ def main() -> None:
     parser.add_argument("--skip", nargs="*", default=[], help="substrings of variant names to skip")
     parser.add_argument("--profile", action="store_true", help="cProfile a short pyrobdl run")
     parser.add_argument("--out", help="write the rows as JSON here")
+    parser.add_argument("--cpu-core", type=int, default=None, metavar="N", help="run on CPU core N only")
     args = parser.parse_args()
+    pin_to_core(args.cpu_core)
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message=".*torch.jit.trace.*")
     x, y = make_data(args.seed)
