@@ -214,8 +214,12 @@ def run_mcmc(
     _, traced, transforms, _ = initialize_model(
         model, (x, y), jit_compile=jit, skip_jit_warnings=True, init_strategy=init_to_sample
     )
-    potential = {"direct": lambda: _direct_potential(model, x, y, transforms),
-                 "flat": lambda: _flat_potential(model, x, y), "trace": lambda: traced}[options["potential"]]()
+    if options["potential"] == "direct":
+        potential = _direct_potential(model, x, y, transforms)
+    elif options["potential"] == "flat":
+        potential = _flat_potential(model, x, y)
+    else:
+        potential = traced
     map_grads, members = 0, None
     if options["init_strategy"] == "ensemble":
         # one batched deep ensemble (docs/methods/ensemble.md), one member per chain
