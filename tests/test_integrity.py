@@ -354,6 +354,25 @@ def test_a_failed_netcdf_serialisation_fails_the_cell(tmp_path, monkeypatch):
     assert rec["error"]["stage"] == "inference data" and "cannot encode" in rec["error"]["message"]
 
 
+def test_the_netcdf_read_back_finds_a_lost_or_reshaped_variable():
+    """``netcdf_bytes`` reads its bytes back before they are stored: every group and variable, with
+    its shape, must be in the file (checked here on a real file against altered expectations)."""
+    import arviz as az
+    import numpy as np
+
+    from pyrobdl.compare import compute
+
+    idata = az.from_dict(posterior={"w": np.zeros((2, 5, 3))}, log_likelihood={"y": np.zeros((2, 5, 4))},
+                         sample_stats={"diverging": np.zeros((2, 5), bool)})
+    blob = compute.netcdf_bytes(idata)
+    wanted = {"posterior": {"w": (2, 5, 3), "chain": (2,), "draw": (5,)}, "log_likelihood": {"y": (2, 5, 4)}}
+    assert compute._netcdf_differences(blob, wanted) == []
+    assert compute._netcdf_differences(blob, {**wanted, "posterior_predictive": {"y": (2, 5, 4)}}) == [
+        "group 'posterior_predictive'"]
+    assert compute._netcdf_differences(blob, {"posterior": {"w": (2, 5, 4), "v": (1,)}}) == [
+        "posterior/w [2, 5, 4]", "posterior/v [1]"]
+
+
 def _small_tmpfs(tmp_path: Path) -> Path:
     mnt = tmp_path / "full"
     mnt.mkdir()

@@ -102,10 +102,9 @@ def netcdf_bytes(idata: Any) -> bytes:
     Serialised in memory, so that only plain Python file writes touch the disk: HDF5 writing to
     a full disk raised and then crashed the process (segmentation fault while closing the file,
     measured with h5py 3.16 / h5netcdf 1.8 on a 300 kB tmpfs).  The bytes are read back once
-    before they are returned, so a file that would not open is never stored.
+    before they are returned (every group and variable, with its shape), so a file that would
+    not open is never stored.
     """
-    import xarray as xr
-
     tree = idata.to_datatree()
     encoding = {
         node.path: {name: {"zlib": True, "complevel": 1, "shuffle": True} for name, var in node.dataset.variables.items()
@@ -115,11 +114,33 @@ def netcdf_bytes(idata: Any) -> bytes:
     buf = io.BytesIO()
     tree.to_netcdf(buf, engine="h5netcdf", encoding=encoding)
     blob = buf.getvalue()
-    with xr.open_datatree(io.BytesIO(blob), engine="h5netcdf") as back:
-        missing = sorted({n.path for n in tree.subtree if n.has_data} - {n.path for n in back.subtree if n.has_data})
-    if missing:
-        raise RuntimeError(f"the netCDF serialisation lost group(s) {missing}")
+    wanted = {node.path.strip("/"): {name: tuple(var.shape) for name, var in node.dataset.variables.items()}
+              for node in tree.subtree if node.has_data}
+    lost = _netcdf_differences(blob, wanted)
+    if lost:
+        raise RuntimeError(f"the netCDF serialisation lost or changed {', '.join(lost)}")
     return blob
+
+
+def _netcdf_differences(blob: bytes, wanted: Mapping[str, Mapping[str, tuple]]) -> list[str]:
+    """What of ``wanted`` (group -> variable -> shape) the netCDF file ``blob`` does not hold.
+
+    Opened with h5netcdf, the engine that wrote it: every group and variable is found and its
+    shape read from the file's own metadata (a fifth of the CPU of re-opening it as an xarray
+    tree, ~0.03 against ~0.12 s per cell, which the quickstart's 22 cells paid each time).
+    """
+    import h5netcdf
+
+    with h5netcdf.File(io.BytesIO(blob), "r") as f:
+        held = {name: {v: tuple(var.shape) for v, var in group.variables.items()} for name, group in f.groups.items()}
+        held[""] = {v: tuple(var.shape) for v, var in f.variables.items()}
+    out = []
+    for group, variables in wanted.items():
+        if group not in held:
+            out.append(f"group {group!r}")
+            continue
+        out += [f"{group}/{v} {list(shape)}" for v, shape in variables.items() if held[group].get(v) != shape]
+    return out
 
 
 def _load_reference(task: CellTask, data: Any, device: torch.device,
