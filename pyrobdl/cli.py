@@ -153,42 +153,15 @@ def _cap_workers(workers: int, cells: int) -> int:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    import torch
-
-    from .compare import ConfigError, ResultsError, load_suite, run_suite
-    from .compare.executors import FuturesExecutor, InProcessExecutor
+    from .compare import ConfigError, ResultsError, load_suite
     from .compare.grid import expand, parse_only, select
-    from .compare.lock import FolderLockedError
-    from .compare.store import WriteError
 
-    if args.workers < 1:
-        _err(f"--workers must be >= 1, got {args.workers}")
+    problem = _compare_flag_problem(args)
+    if problem:
+        _err(problem)
         return 2
-    if args.executor == "ray" and args.workers != 1:
-        _err("--workers is for --executor local; with --executor ray the cluster's resources decide how many "
-             "cells run at once (see the suite's per-method resources)")
-        return 2
-    if args.executor != "ray" and (args.ray_address or args.ship_data or args.max_retries is not None):
-        flag = "--ray-address" if args.ray_address else "--ship-data" if args.ship_data else "--max-retries"
-        _err(f"{flag} needs --executor ray")
-        return 2
-    if args.max_retries is not None and args.max_retries < 0:
-        _err(f"--max-retries must be >= 0, got {args.max_retries}")
-        return 2
-    if args.executor == "ray":
-        try:
-            import ray  # noqa: F401
-        except ImportError:
-            _err('--executor ray needs Ray: pip install "pyrobdl[ray]"')
-            return 2
     if args.threads is not None:
-        if args.threads < 1:
-            _err(f"--threads must be >= 1, got {args.threads}")
-            return 2
-        torch.set_num_threads(args.threads)
-        from .inference.registry import DEFAULTS
-
-        DEFAULTS["threads"] = args.threads  # fit's default: this count for every cell
+        _set_threads(args.threads)
     try:
         suite = load_suite(args.suite)
         only = parse_only(args.only)
@@ -205,18 +178,70 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     except ResultsError as e:
         _err(str(e))
         return 3
-    pool = None
+    try:
+        executor, pool = _compare_executor(args)
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        if args.executor != "ray":
+            raise
+        _err(f"cannot start or join Ray{' at ' + args.ray_address if args.ray_address else ''}: {e}")
+        return 2
+    summary = _run_compare(suite, args, only, executor, pool)
+    if isinstance(summary, int):
+        return summary
+    print(
+        f"{suite.name}: {len(summary.ok)} cell(s) ran ok, {len(summary.failed)} failed, "
+        f"{len(summary.skipped)} already done; {summary.wall_time_s:.1f} s; results in {summary.out}"
+    )
+    for cid, error in summary.errors.items():
+        print(f"  failed: {cid}: {error}", file=sys.stderr)
+    return 0 if summary.success else 1
+
+
+def _compare_flag_problem(args: argparse.Namespace) -> str | None:
+    """The first problem with ``compare``'s flags by themselves (before the suite is read), or None."""
+    if args.workers < 1:
+        return f"--workers must be >= 1, got {args.workers}"
+    if args.executor == "ray" and args.workers != 1:
+        return ("--workers is for --executor local; with --executor ray the cluster's resources decide how many "
+                "cells run at once (see the suite's per-method resources)")
+    if args.executor != "ray" and (args.ray_address or args.ship_data or args.max_retries is not None):
+        flag = "--ray-address" if args.ray_address else "--ship-data" if args.ship_data else "--max-retries"
+        return f"{flag} needs --executor ray"
+    if args.max_retries is not None and args.max_retries < 0:
+        return f"--max-retries must be >= 0, got {args.max_retries}"
+    if args.executor == "ray":
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            return '--executor ray needs Ray: pip install "pyrobdl[ray]"'
+    if args.threads is not None and args.threads < 1:
+        return f"--threads must be >= 1, got {args.threads}"
+    return None
+
+
+def _set_threads(threads: int) -> None:
+    """``--threads``: torch's thread count here, and ``fit``'s default for every cell."""
+    import torch
+
+    from .inference.registry import DEFAULTS
+
+    torch.set_num_threads(threads)
+    DEFAULTS["threads"] = threads
+
+
+def _compare_executor(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The executor ``--executor``/``--workers`` ask for, and the pool to shut down afterwards (or None).
+
+    Raises what :class:`~pyrobdl.compare.ray_executor.RayExecutor` raises when Ray cannot start or be joined.
+    """
+    from .compare.executors import FuturesExecutor, InProcessExecutor
+
     if args.executor == "ray":
         from .compare.ray_executor import RayExecutor
 
-        try:
-            executor: Any = RayExecutor(args.ray_address, **({} if args.max_retries is None
-                                                               else {"max_retries": args.max_retries}))
-        except (ConnectionError, RuntimeError, ValueError) as e:
-            _err(f"cannot start or join Ray{' at ' + args.ray_address if args.ray_address else ''}: {e}")
-            return 2
-        pool = executor
-    elif args.workers > 1:
+        executor = RayExecutor(args.ray_address, **({} if args.max_retries is None else {"max_retries": args.max_retries}))
+        return executor, executor
+    if args.workers > 1:
         import concurrent.futures as cf
         import multiprocessing as mp
         import os
@@ -224,9 +249,16 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         # --threads applies to every worker too: torch's thread count is per process
         pool = cf.ProcessPoolExecutor(max_workers=args.workers, mp_context=mp.get_context("spawn"),
                                       initializer=_init_worker, initargs=(args.threads, os.getpid()))
-        executor = FuturesExecutor(pool)
-    else:
-        executor = InProcessExecutor()
+        return FuturesExecutor(pool), pool
+    return InProcessExecutor(), None
+
+
+def _run_compare(suite: Any, args: argparse.Namespace, only: Any, executor: Any, pool: Any) -> Any:
+    """``run_suite`` with ``compare``'s flags; its summary, or the exit code of what stopped it."""
+    from .compare import ConfigError, ResultsError, run_suite
+    from .compare.lock import FolderLockedError
+    from .compare.store import WriteError
+
     finished = False
     previous_term = _raise_on_sigterm()
     try:
@@ -237,6 +269,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             ship_data=args.ship_data, threads=args.threads,
         )
         finished = True
+        return summary
     except (ConfigError, ValueError, FolderLockedError) as e:
         _err(str(e))
         return 2
@@ -252,26 +285,26 @@ def _cmd_compare(args: argparse.Namespace) -> int:
              "in this process resume from their last checkpoint)")
         return 130
     finally:
-        if isinstance(pool, _cf_executor_type()):
-            if finished:
-                pool.shutdown(cancel_futures=True)
-            else:  # stopped (error, Ctrl-C, SIGTERM): do not wait for the running cells
-                from .compare.workers import stop_pool
-
-                stop_pool(pool)
-        elif pool is not None:
-            pool.shutdown()  # a Ray started here is shut down; a joined cluster is left alone
+        _shut_down(pool, finished)
         if previous_term is not None:
             import signal
 
             signal.signal(signal.SIGTERM, previous_term)
-    print(
-        f"{suite.name}: {len(summary.ok)} cell(s) ran ok, {len(summary.failed)} failed, "
-        f"{len(summary.skipped)} already done; {summary.wall_time_s:.1f} s; results in {summary.out}"
-    )
-    for cid, error in summary.errors.items():
-        print(f"  failed: {cid}: {error}", file=sys.stderr)
-    return 0 if summary.success else 1
+
+
+def _shut_down(pool: Any, finished: bool) -> None:
+    """Close what :func:`_compare_executor` started: a local pool waits for its cells only if the run
+    finished (stopped by an error, Ctrl-C or SIGTERM it does not); a Ray started here is shut down, a
+    joined cluster left alone."""
+    if isinstance(pool, _cf_executor_type()):
+        if finished:
+            pool.shutdown(cancel_futures=True)
+        else:
+            from .compare.workers import stop_pool
+
+            stop_pool(pool)
+    elif pool is not None:
+        pool.shutdown()
 
 
 #: ``--dry-run``'s label of each stored state (pyrobdl.compare.store.cell_state) and what ``compare`` does with it.
