@@ -112,8 +112,6 @@ def quality_vs_cost(records: Sequence[Mapping[str, Any]], dataset: str) -> Figur
     metric = next((m for m in QUALITY_METRICS if any(metric_values(g, m) for g in groups.values())), None)
     if metric is None:
         return None
-    from matplotlib.ticker import NullFormatter
-
     up = HIGHER_IS_BETTER[metric]
     colors = _colors(list(groups))
     markers = {label: MARKERS[i % len(MARKERS)] for i, label in enumerate(groups)}
@@ -128,55 +126,12 @@ def quality_vs_cost(records: Sequence[Mapping[str, Any]], dataset: str) -> Figur
     edges.update({k: hi + (0.8 + _ROW * i) * pad for i, k in enumerate(above)})
     fig = _new(13, 5.2 + 0.25 * max(len(below) + len(above) - 1, 0))
     axes = fig.subplots(1, 2, sharey=True)
-    clipped = []
-    panels = []
-    for ax, key in zip(axes, ("gradient_evaluations", _cost_key(groups))):
-        pts: dict[str, tuple[float, float]] = {}
-        names: list = []
-        panels.append(names)
-        for label, recs in groups.items():
-            y, yse, n = ys[label]
-            x, xse, _ = mean_se([(r.get("cost") or {}).get(key) for r in recs])
-            if n == 0 or not (x > 0):
-                continue
-            pts[label] = (x, y)
-            if not lo <= y <= hi:  # far off the others: a hollow triangle at the edge, value beside it
-                edge = edges[label]
-                ax.plot([x], [edge], "v" if y < lo else "^", ms=11, mfc="white", mec=colors[label], mew=2)
-                ax.annotate(f"{label}: {y:.3g} (off scale)", (x, edge), xytext=(8, 0), textcoords="offset points",
-                            va="center", fontsize=9, color=colors[label], style="italic")
-                if key == "gradient_evaluations":
-                    clipped.append(f"{label} = {y:.3g}")
-                continue
-            ax.errorbar([x], [y], yerr=[0 if math.isnan(yse) else yse], xerr=[0 if math.isnan(xse) else xse],
-                        fmt=markers[label], color=colors[label], ms=8, capsize=3)
-            names.append(ax.annotate(label, (x, y), xytext=(7, 4), textcoords="offset points", fontsize=9,
-                                     color=colors[label]))
-        on_scale = {k: v for k, v in pts.items() if lo <= v[1] <= hi}
-        labels = list(on_scale)
-        front = [labels[i] for i in pareto_front([on_scale[k] for k in labels], higher_is_better=up)]
-        if len(front) > 1:
-            fx, fy = zip(*(on_scale[k] for k in front))
-            ax.step(fx, fy, where="post", color="0.35", lw=1.2, ls="--", zorder=0, label="Pareto front")
-            if ax is axes[0]:  # one legend: in the right panel it covered an off-scale method's value
-                ax.legend(fontsize=9, loc="lower right" if up else "upper right")
-        ax.set_xscale("log")
-        ax.xaxis.set_minor_formatter(NullFormatter())
-        xs = [v[0] for v in pts.values()]
-        if xs:  # whole decades, so the log axis always has labelled ticks; room for labels on the right
-            ax.set_xlim(10 ** math.floor(math.log10(min(xs) / 1.5)), 10 ** math.ceil(math.log10(max(xs) * 4)))
-        ax.set_xlabel(COST_AXES[key])
-        ax.grid(alpha=0.3)
-    bottom, top = lo - (1.4 + _ROW * max(len(below) - 1, 0)) * pad, hi + (1.4 + _ROW * max(len(above) - 1, 0)) * pad
-    axes[0].set_ylim(bottom, top)
-    ticks = [t for t in axes[0].get_yticks() if lo - 0.3 * pad <= t <= hi + 0.3 * pad]
-    for ax in axes:  # the off-scale rows sit in a grey strip without ticks: their height is no value
-        if below:
-            ax.axhspan(bottom, lo - 0.3 * pad, color="0.93", lw=0, zorder=0)
-        if above:
-            ax.axhspan(hi + 0.3 * pad, top, color="0.93", lw=0, zorder=0)
-    axes[0].set_yticks(ticks)
-    axes[0].set_ylim(bottom, top)
+    clipped: list[str] = []
+    style = {"colors": colors, "markers": markers, "up": up}
+    panels = [_cost_panel(ax, key, groups, ys, (lo, hi), edges, style, clipped if ax is axes[0] else None,
+                          legend=ax is axes[0])
+              for ax, key in zip(axes, ("gradient_evaluations", _cost_key(groups)))]
+    _off_scale_strips(axes, lo, hi, pad, len(below), len(above))
     for names in panels:
         _spread_labels(fig, names)
     unit = METRIC_UNITS.get(metric, "")
@@ -188,6 +143,68 @@ def quality_vs_cost(records: Sequence[Mapping[str, Any]], dataset: str) -> Figur
                   f"(left) and {'process CPU seconds' if _cost_key(groups) == 'cpu_time_s' else 'wall seconds'} (right; "
                   "on a shared machine wall time also measures other jobs). Dashed: the Pareto front, the methods no "
                   f"other method beats on both quality and cost.{note}")
+
+
+def _cost_panel(ax: Any, key: str, groups: Mapping[str, Any], ys: Mapping[str, tuple], limits: tuple[float, float],
+                edges: Mapping[str, float], style: Mapping[str, Any], clipped: list[str] | None, legend: bool) -> list:
+    """One panel of :func:`quality_vs_cost`: each method's mean quality against its mean ``key`` cost,
+    off-scale methods as hollow triangles at ``edges`` (appended to ``clipped`` when given), the
+    Pareto front dashed; returns the label annotations (for :func:`_spread_labels`)."""
+    from matplotlib.ticker import NullFormatter
+
+    lo, hi = limits
+    colors, markers, up = style["colors"], style["markers"], style["up"]
+    pts: dict[str, tuple[float, float]] = {}
+    names: list = []
+    for label, recs in groups.items():
+        y, yse, n = ys[label]
+        x, xse, _ = mean_se([(r.get("cost") or {}).get(key) for r in recs])
+        if n == 0 or not (x > 0):
+            continue
+        pts[label] = (x, y)
+        if not lo <= y <= hi:  # far off the others: a hollow triangle at the edge, value beside it
+            edge = edges[label]
+            ax.plot([x], [edge], "v" if y < lo else "^", ms=11, mfc="white", mec=colors[label], mew=2)
+            ax.annotate(f"{label}: {y:.3g} (off scale)", (x, edge), xytext=(8, 0), textcoords="offset points",
+                        va="center", fontsize=9, color=colors[label], style="italic")
+            if clipped is not None:
+                clipped.append(f"{label} = {y:.3g}")
+            continue
+        ax.errorbar([x], [y], yerr=[0 if math.isnan(yse) else yse], xerr=[0 if math.isnan(xse) else xse],
+                    fmt=markers[label], color=colors[label], ms=8, capsize=3)
+        names.append(ax.annotate(label, (x, y), xytext=(7, 4), textcoords="offset points", fontsize=9,
+                                 color=colors[label]))
+    on_scale = {k: v for k, v in pts.items() if lo <= v[1] <= hi}
+    labels = list(on_scale)
+    front = [labels[i] for i in pareto_front([on_scale[k] for k in labels], higher_is_better=up)]
+    if len(front) > 1:
+        fx, fy = zip(*(on_scale[k] for k in front))
+        ax.step(fx, fy, where="post", color="0.35", lw=1.2, ls="--", zorder=0, label="Pareto front")
+        if legend:  # one legend: in the right panel it covered an off-scale method's value
+            ax.legend(fontsize=9, loc="lower right" if up else "upper right")
+    ax.set_xscale("log")
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    xs = [v[0] for v in pts.values()]
+    if xs:  # whole decades, so the log axis always has labelled ticks; room for labels on the right
+        ax.set_xlim(10 ** math.floor(math.log10(min(xs) / 1.5)), 10 ** math.ceil(math.log10(max(xs) * 4)))
+    ax.set_xlabel(COST_AXES[key])
+    ax.grid(alpha=0.3)
+    return names
+
+
+def _off_scale_strips(axes: Sequence[Any], lo: float, hi: float, pad: float, below: int, above: int) -> None:
+    """The shared y range of :func:`quality_vs_cost`: ticks only inside ``[lo, hi]``, and the rows of
+    ``below``/``above`` off-scale methods in a grey strip without ticks (their height is no value)."""
+    bottom, top = lo - (1.4 + _ROW * max(below - 1, 0)) * pad, hi + (1.4 + _ROW * max(above - 1, 0)) * pad
+    axes[0].set_ylim(bottom, top)
+    ticks = [t for t in axes[0].get_yticks() if lo - 0.3 * pad <= t <= hi + 0.3 * pad]
+    for ax in axes:
+        if below:
+            ax.axhspan(bottom, lo - 0.3 * pad, color="0.93", lw=0, zorder=0)
+        if above:
+            ax.axhspan(hi + 0.3 * pad, top, color="0.93", lw=0, zorder=0)
+    axes[0].set_yticks(ticks)
+    axes[0].set_ylim(bottom, top)
 
 
 #: Methods worse than this many median absolute deviations from the median are off scale.
