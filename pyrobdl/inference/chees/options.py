@@ -85,6 +85,21 @@ def _positive(options: Mapping[str, Any], name: str, allow_none: bool = False) -
 
 def _check_options(model: Any, options: Mapping[str, Any]) -> None:
     require_proper_prior(model, options)
+    _check_counts(options)
+    check_certify_inputs(model, options)
+    _check_certify_rhat(options)
+    _check_numbers(options)
+    _check_choices(options)
+    _check_checkpoint(options)
+    _check_temperatures(options)
+    if options.get("init") is not None:  # fit(..., init=network): starts at its weights + init_spread * N(0, 1)
+        check_spread(options["init_spread"], allow_none=False)
+    # the flat log joint refuses what it does not implement, by name, before any work
+    _check_supported(model)
+
+
+def _check_counts(options: Mapping[str, Any]) -> None:
+    """Chains, superchains, iterations and the other whole-number options."""
     _int(options, "num_chains", 2)
     _int(options, "num_warmup", 0)
     _int(options, "superchain_size", 1)
@@ -102,45 +117,51 @@ def _check_options(model: Any, options: Mapping[str, Any]) -> None:
             raise ValueError(f"max_num_samples={options['max_num_samples']} must be >= num_samples="
                              f"{options['num_samples']} (the draws per chain before the first certification), "
                              "or None: no extension")
-    check_certify_inputs(model, options)
+    if options["chunk_size"] not in (None, "auto"):
+        _int(options, "chunk_size", 1)
+
+
+def _check_certify_rhat(options: Mapping[str, Any]) -> None:
     if options["certify_rhat"] not in CERTIFY_RHATS:
         raise ValueError(f"unknown certify_rhat {options['certify_rhat']!r}; valid: {list(CERTIFY_RHATS)}")
-    if options["certify_rhat"] in ("nested", "both") and m == 1:
+    if options["certify_rhat"] in ("nested", "both") and options["superchain_size"] == 1:
         raise ValueError(
             f"certify_rhat={options['certify_rhat']!r} needs chains started in superchains (superchain_size > 1): "
             "nested R-hat over independently started chains cannot see chains that never left their start")
+
+
+def _check_numbers(options: Mapping[str, Any]) -> None:
+    """The real-valued options and the flags."""
     for name in ("init_trajectory_length", "trajectory_lr", "map_lr", "divergence_threshold"):
         _positive(options, name)
     _positive(options, "step_size", allow_none=True)
     p = options["target_accept_prob"]
     if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p < 1:
         raise ValueError(f"target_accept_prob must be in (0, 1), got {p!r}")
+    w = options["warmup_trajectory_scale"]
+    if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 < w <= 1:
+        raise ValueError(f"warmup_trajectory_scale must be in (0, 1], got {w!r}")
     for name in ("adapt_mass_matrix", "adapt_temperatures"):
         if not isinstance(options[name], bool):
             raise TypeError(f"{name} must be True or False, got {options[name]!r}")
     if not (isinstance(options["compile"], bool) or options["compile"] == "auto"):
         raise TypeError(f"compile must be True, False or 'auto', got {options['compile']!r}")
-    if options["jitter"] not in JITTERS:
-        raise ValueError(f"unknown jitter {options['jitter']!r}; valid: {list(JITTERS)}")
-    if options["step_size_adaptation"] not in STEP_SIZE_ADAPTATIONS:
-        raise ValueError(f"unknown step_size_adaptation {options['step_size_adaptation']!r}; "
-                         f"valid: {list(STEP_SIZE_ADAPTATIONS)}")
-    if options["trajectory_adaptation"] not in TRAJECTORY_ADAPTATIONS:
-        raise ValueError(f"unknown trajectory_adaptation {options['trajectory_adaptation']!r}; "
-                         f"valid: {list(TRAJECTORY_ADAPTATIONS)}")
-    w = options["warmup_trajectory_scale"]
-    if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 < w <= 1:
-        raise ValueError(f"warmup_trajectory_scale must be in (0, 1], got {w!r}")
+
+
+def _check_choices(options: Mapping[str, Any]) -> None:
+    """The options that name one of a fixed set, and the one combination of them refused."""
+    for name, valid in (("jitter", JITTERS), ("step_size_adaptation", STEP_SIZE_ADAPTATIONS),
+                        ("trajectory_adaptation", TRAJECTORY_ADAPTATIONS), ("mass_matrix", MASS_MATRICES),
+                        ("init_strategy", INIT_STRATEGIES)):
+        if options[name] not in valid:
+            raise ValueError(f"unknown {name} {options[name]!r}; valid: {list(valid)}")
     if options["trajectory_adaptation"] in QUARTER_PERIOD_ADAPTATIONS and (
             options["mass_matrix"] == "per-chain" or options["temperatures"] is not None):
         raise ValueError(f"trajectory_adaptation={options['trajectory_adaptation']!r} needs one metric for every "
                          "chain: mass_matrix 'cross-chain' or 'within-chain' and no temperatures")
-    if options["mass_matrix"] not in MASS_MATRICES:
-        raise ValueError(f"unknown mass_matrix {options['mass_matrix']!r}; valid: {list(MASS_MATRICES)}")
-    if options["init_strategy"] not in INIT_STRATEGIES:
-        raise ValueError(f"unknown init_strategy {options['init_strategy']!r}; valid: {list(INIT_STRATEGIES)}")
-    if options["chunk_size"] not in (None, "auto"):
-        _int(options, "chunk_size", 1)
+
+
+def _check_checkpoint(options: Mapping[str, Any]) -> None:
     ckpt = options["checkpoint"]
     if ckpt is not None and not isinstance(ckpt, (str, os.PathLike)):
         raise TypeError(f"checkpoint must be None or a file path, got {ckpt!r}")
@@ -149,11 +170,6 @@ def _check_options(model: Any, options: Mapping[str, Any]) -> None:
     every = options["checkpoint_every_s"]
     if isinstance(every, bool) or not isinstance(every, (int, float)) or not math.isfinite(every) or every < 0:
         raise ValueError(f"checkpoint_every_s must be a finite number >= 0, got {every!r}")
-    _check_temperatures(options)
-    if options.get("init") is not None:  # fit(..., init=network): starts at its weights + init_spread * N(0, 1)
-        check_spread(options["init_spread"], allow_none=False)
-    # the flat log joint refuses what it does not implement, by name, before any work
-    _check_supported(model)
 
 
 def _check_temperatures(options: Mapping[str, Any]) -> None:
