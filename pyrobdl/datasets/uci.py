@@ -263,7 +263,44 @@ def load_uci(
         raise ValueError(
             f"`split`={split} out of range for {canonical!r}: valid range is 0..{num_splits - 1}"
         )
+    data, features, target, train_rows, test_rows = _read_split(folder, split)
+    x_train = data[np.ix_(train_rows, features)]
+    x_test = data[np.ix_(test_rows, features)]
+    y_train = data[train_rows, target]
+    y_test = data[test_rows, target]
 
+    x_mean = x_std = None
+    y_mean, y_std = 0.0, 1.0
+    if standardize:
+        x_mean, x_std = _standardize(x_train)
+        y_mean_arr, y_std_arr = _standardize(y_train[:, None])
+        y_mean, y_std = float(y_mean_arr[0]), float(y_std_arr[0])
+        # Centre/scale in float64 and only then cast, to avoid float32
+        # cancellation on columns with a large offset (e.g. naval, protein).
+        x_train = (x_train - x_mean) / x_std
+        x_test = (x_test - x_mean) / x_std
+        y_train = (y_train - y_mean) / y_std
+        y_test = (y_test - y_mean) / y_std
+
+    def as_tensor(array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+
+    return RegressionData(
+        name=canonical,
+        x_train=as_tensor(x_train),
+        y_train=as_tensor(y_train),
+        x_test=as_tensor(x_test),
+        y_test=as_tensor(y_test),
+        y_mean=y_mean,
+        y_std=y_std,
+        x_mean=None if x_mean is None else as_tensor(x_mean),
+        x_std=None if x_std is None else as_tensor(x_std),
+    )
+
+
+def _read_split(folder: pathlib.Path, split: int) -> tuple[np.ndarray, np.ndarray, int, np.ndarray, np.ndarray]:
+    """``data.txt`` (float64) with split ``split``'s feature columns, target column, train and test rows,
+    each checked: indices in range, train and test disjoint, values representable in float32."""
     features = _read_ints(folder / "index_features.txt")
     target = _read_ints(folder / "index_target.txt")
     if target.size != 1:
@@ -293,36 +330,4 @@ def load_uci(
     if np.intersect1d(train_rows, test_rows).size:
         raise ValueError(f"train and test rows of split {split} in '{folder}' overlap")
     check_float32_range(data[:, columns], f"'{data_file}'", columns.tolist())
-
-    x_train = data[np.ix_(train_rows, features)]
-    x_test = data[np.ix_(test_rows, features)]
-    y_train = data[train_rows, target[0]]
-    y_test = data[test_rows, target[0]]
-
-    x_mean = x_std = None
-    y_mean, y_std = 0.0, 1.0
-    if standardize:
-        x_mean, x_std = _standardize(x_train)
-        y_mean_arr, y_std_arr = _standardize(y_train[:, None])
-        y_mean, y_std = float(y_mean_arr[0]), float(y_std_arr[0])
-        # Centre/scale in float64 and only then cast, to avoid float32
-        # cancellation on columns with a large offset (e.g. naval, protein).
-        x_train = (x_train - x_mean) / x_std
-        x_test = (x_test - x_mean) / x_std
-        y_train = (y_train - y_mean) / y_std
-        y_test = (y_test - y_mean) / y_std
-
-    def as_tensor(array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
-
-    return RegressionData(
-        name=canonical,
-        x_train=as_tensor(x_train),
-        y_train=as_tensor(y_train),
-        x_test=as_tensor(x_test),
-        y_test=as_tensor(y_test),
-        y_mean=y_mean,
-        y_std=y_std,
-        x_mean=None if x_mean is None else as_tensor(x_mean),
-        x_std=None if x_std is None else as_tensor(x_std),
-    )
+    return data, features, int(target[0]), train_rows, test_rows
