@@ -337,23 +337,15 @@ def to_inference_data(
     if point:  # one draw is the whole posterior; repeating it would fake chains and draws
         flat, c, d = {k: v[:1] for k, v in flat.items()}, 1, 1
     n = x_t.shape[0]
-    fs, lls, reps = [], [], []
-    with torch.no_grad():
-        for p in _chunks(flat, c * d):
-            f = posterior.function(p, x_t)  # the posterior's own predictive function
-            lik = model.likelihood.distribution(f, p)
-            fs.append(f)
-            lls.append(lik.log_prob(y_t))
-            reps.append(lik.sample())
-    ll = torch.cat(lls)
+    f, ll, rep = _predictive_draws(posterior, flat, c * d, x_t, y_t)
     _check_log_lik_shape(ll, c * d, n)
 
     def arr(t: torch.Tensor, *tail: int) -> np.ndarray:
         return t.cpu().numpy().reshape(c, d, *tail)
 
-    f_np = arr(torch.cat(fs), n, model.out_features)
+    f_np = arr(f, n, model.out_features)
     y_obs = y_t.cpu().numpy()
-    y_rep = arr(torch.cat(reps), *y_t.shape)
+    y_rep = arr(rep, *y_t.shape)
     units = _unit_dims(model)
     y_dims = ["obs"] if y_obs.ndim == 1 else ["obs", units[-1]]
     if y_obs.ndim == 2 and y_obs.shape[1] == 1:  # one regression output: plain (obs,) for plot_ppc
@@ -390,6 +382,21 @@ def to_inference_data(
     )
     idata.attrs.update(versions)  # from_dict drops an "arviz_version" given in attrs
     return idata
+
+
+def _predictive_draws(posterior: Any, flat: dict[str, torch.Tensor], total: int, x: torch.Tensor, y: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The network output ``f``, the pointwise log-likelihood of ``y`` and one replicate of ``y`` for each
+    of the ``total`` draws in ``flat``, in chunks, by the posterior's own predictive function."""
+    fs, lls, reps = [], [], []
+    with torch.no_grad():
+        for p in _chunks(flat, total):
+            f = posterior.function(p, x)
+            lik = posterior.model.likelihood.distribution(f, p)
+            fs.append(f)
+            lls.append(lik.log_prob(y))
+            reps.append(lik.sample())
+    return torch.cat(fs), torch.cat(lls), torch.cat(reps)
 
 
 # ----------------------------------------------------------------------------- PSIS
