@@ -286,34 +286,10 @@ def _blocks(model: Any, lj: FlatLogJoint, theta: torch.Tensor, options: Mapping[
         idx = _weight_index(layout, range(num_layers - 1, num_layers))
         h = sum(torch.einsum("nop,noq->pq", m, m) for m in (cur.ggn_sqrt(xb, idx) for xb, _ in cur.chunks()))
         pieces.append((idx, h))
-    else:  # kron: one Jacobian pass for every layer's two factors
-        widths = [*model.hidden, model.out_features]
-        g: list[Any] = [0.0] * num_layers
-        a: list[Any] = [0.0] * num_layers
-        for xb, _ in cur.chunks():
-            m = cur.preactivation_ggn_sqrt(xb)  # GGN roots in every layer's pre-activations
-            inputs = cur.layer_inputs(xb)
-            for i, mi in enumerate(torch.split(m, widths, -1)):
-                g[i] = g[i] + torch.einsum("noi,noj->ij", mi, mi)
-                a[i] = a[i] + inputs[i].t() @ inputs[i]
-        kron_blocks = []
-        for i in range(num_layers):
-            idx = _kron_index(layout, i)
-            d = prior[idx]
-            if bool((d == d[0]).all()):
-                # a uniform prior keeps the Kronecker structure: eigenvalues are products of the
-                # factors' eigenvalues, eigenvectors kron(U_G, U_A), never formed
-                lam_g, ug = torch.linalg.eigh(g[i])
-                lam_a, ua = torch.linalg.eigh(a[i])
-                lam = torch.outer(lam_g.clamp_min(0.0), lam_a.clamp_min(0.0)).reshape(-1) / (lj.num_data * d[0])
-                kron_blocks.append(_Block(idx, d.sqrt(), lam, None, True, kron=(ug, ua)))
-                continue
-            if idx.numel() > MAX_BLOCK:
-                raise ValueError(f"hessian='kron': layer {i} has weight and bias priors of different scales and "
-                                 f"{idx.numel()} coordinates, above the dense-block limit {MAX_BLOCK}; use one prior "
-                                 "scale per layer, 'diag' or 'last_layer'")
-            pieces.append((idx, torch.kron(g[i], a[i]) / lj.num_data))
-    blocks, clipped = ([] if hessian != "kron" else kron_blocks), 0
+    else:  # kron
+        kron_blocks, dense = _kron_blocks(model, lj, cur, prior)
+        pieces += dense
+    blocks, clipped = (kron_blocks if hessian == "kron" else []), 0
     for idx, h in pieces:
         block, c = _whiten(h, prior[idx], True, idx)
         blocks.append(block)
@@ -325,6 +301,41 @@ def _blocks(model: Any, lj: FlatLogJoint, theta: torch.Tensor, options: Mapping[
         blocks.append(block)
         clipped += c
     return blocks, clipped
+
+
+def _kron_blocks(model: Any, lj: FlatLogJoint, cur: "_Curvature", prior: torch.Tensor
+                 ) -> tuple[list[_Block], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """``hessian="kron"``: one Jacobian pass for every layer's two Kronecker factors.  A layer whose
+    prior is uniform becomes a block in Kronecker form; one with weight and bias priors of different
+    scales a dense ``(index, curvature)`` piece for :func:`_whiten` (refused above ``MAX_BLOCK``)."""
+    num_layers = len(model.hidden) + 1
+    widths = [*model.hidden, model.out_features]
+    g: list[Any] = [0.0] * num_layers
+    a: list[Any] = [0.0] * num_layers
+    for xb, _ in cur.chunks():
+        m = cur.preactivation_ggn_sqrt(xb)  # GGN roots in every layer's pre-activations
+        inputs = cur.layer_inputs(xb)
+        for i, mi in enumerate(torch.split(m, widths, -1)):
+            g[i] = g[i] + torch.einsum("noi,noj->ij", mi, mi)
+            a[i] = a[i] + inputs[i].t() @ inputs[i]
+    kron_blocks, pieces = [], []
+    for i in range(num_layers):
+        idx = _kron_index(lj.layout, i)
+        d = prior[idx]
+        if bool((d == d[0]).all()):
+            # a uniform prior keeps the Kronecker structure: eigenvalues are products of the
+            # factors' eigenvalues, eigenvectors kron(U_G, U_A), never formed
+            lam_g, ug = torch.linalg.eigh(g[i])
+            lam_a, ua = torch.linalg.eigh(a[i])
+            lam = torch.outer(lam_g.clamp_min(0.0), lam_a.clamp_min(0.0)).reshape(-1) / (lj.num_data * d[0])
+            kron_blocks.append(_Block(idx, d.sqrt(), lam, None, True, kron=(ug, ua)))
+            continue
+        if idx.numel() > MAX_BLOCK:
+            raise ValueError(f"hessian='kron': layer {i} has weight and bias priors of different scales and "
+                             f"{idx.numel()} coordinates, above the dense-block limit {MAX_BLOCK}; use one prior "
+                             "scale per layer, 'diag' or 'last_layer'")
+        pieces.append((idx, torch.kron(g[i], a[i]) / lj.num_data))
+    return kron_blocks, pieces
 
 
 def _tune_prior(blocks: list[_Block], theta: torch.Tensor, lo: float = 1e-8, hi: float = 1e8) -> float:
