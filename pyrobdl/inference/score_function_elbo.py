@@ -50,7 +50,7 @@ it for pathwise gradients).  The loss value is then that of ``TraceMeanField_ELB
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from pyro.distributions.util import is_identically_zero
@@ -170,63 +170,73 @@ class ScoreFunctionELBO(TraceGraph_ELBO):
         # Same bookkeeping as Pyro's tracegraph_elbo._compute_elbo (value, surrogate, downstream
         # costs from provenance), with particle baselines and analytic KL terms added.
         kls = self._analytic_kls(model_trace, guide_trace)
-        elbo: Any = 0.0
-        surrogate: Any = 0.0
+        elbo, surrogate, costs, total, particle_frame = _log_ratio_terms(model_trace, guide_trace, kls)
         baseline_loss: Any = 0.0
-        costs: dict[str, MultiFrameTensor] = defaultdict(MultiFrameTensor)
-        total = MultiFrameTensor()  # the whole per-particle log-ratio, for VarGrad
-        for name, site in model_trace.nodes.items():
-            if site["type"] != "sample" or name in kls:
-                continue
-            elbo = elbo + site["log_prob_sum"]
-            surrogate = surrogate + site["log_prob_sum"]
-            term = (site["cond_indep_stack"], site["log_prob"])
-            total.add(term)
-            for key in get_provenance(site["log_prob_sum"]):
-                costs[key].add(term)
-        particle_frame = None
-        for name, site in guide_trace.nodes.items():
-            if site["type"] != "sample":
-                continue
-            particle_frame = particle_frame or next(
-                (f for f in site["cond_indep_stack"] if f.name == _PARTICLE_PLATE), None
-            )
-            if name in kls:
-                elbo = elbo - kls[name].sum()
-                surrogate = surrogate - kls[name].sum()
-                continue
-            elbo = elbo - site["log_prob_sum"]
-            entropy_term = site["score_parts"].entropy_term
-            if not is_identically_zero(entropy_term):
-                surrogate = surrogate - entropy_term.sum()
-            term = (site["cond_indep_stack"], -site["log_prob"])
-            total.add(term)
-            for key in get_provenance(site["log_prob_sum"]):
-                costs[key].add(term)
-
         for node, cost in costs.items():
             guide_site = guide_trace.nodes[node]
-            stack = guide_site["cond_indep_stack"]
-            cost = cost.sum_to(stack)
-            kind = self._site_baseline(node, guide_site)
-            if kind is None:
-                used, loss_term, value = _construct_baseline(node, guide_site, cost)
-                if used:
-                    cost = cost - value
-                    baseline_loss = baseline_loss + loss_term
-            else:
-                dim = _particle_dim(particle_frame, cost, node)
-                p = cost.shape[dim]
-                if kind == "leave_one_out":
-                    cost = cost - (cost.sum(dim, keepdim=True) - cost) / (p - 1)
-                else:  # vargrad: the whole log-ratio, centred, times P / (P - 1)
-                    whole = total.sum_to(stack)
-                    whole = whole.expand(torch.broadcast_shapes(whole.shape, cost.shape))
-                    cost = (whole - whole.mean(dim, keepdim=True)) * (p / (p - 1))
+            cost, loss_term = self._baselined_cost(node, guide_site, cost, total, particle_frame)
+            baseline_loss = baseline_loss + loss_term
             surrogate = surrogate + (guide_site["score_parts"].score_function * cost.detach()).sum()
 
         surrogate_loss = -surrogate + baseline_loss
         return detach_provenance(elbo), detach_provenance(surrogate_loss)
+
+    def _baselined_cost(self, node: str, guide_site: Any, cost: MultiFrameTensor, total: MultiFrameTensor,
+                        particle_frame: Any) -> tuple[torch.Tensor, Any]:
+        """Site ``node``'s downstream cost less its baseline, and the baseline's own loss (0.0 for the
+        particle baselines, which have none)."""
+        stack = guide_site["cond_indep_stack"]
+        cost = cost.sum_to(stack)
+        kind = self._site_baseline(node, guide_site)
+        if kind is None:
+            used, loss_term, value = _construct_baseline(node, guide_site, cost)
+            return (cost - value, loss_term) if used else (cost, 0.0)
+        dim = _particle_dim(particle_frame, cost, node)
+        p = cost.shape[dim]
+        if kind == "leave_one_out":
+            return cost - (cost.sum(dim, keepdim=True) - cost) / (p - 1), 0.0
+        # vargrad: the whole log-ratio, centred, times P / (P - 1)
+        whole = total.sum_to(stack)
+        whole = whole.expand(torch.broadcast_shapes(whole.shape, cost.shape))
+        return (whole - whole.mean(dim, keepdim=True)) * (p / (p - 1)), 0.0
+
+
+def _log_ratio_terms(model_trace: Any, guide_trace: Any, kls: Mapping[str, torch.Tensor]) -> tuple[Any, Any, dict, Any, Any]:
+    """The ELBO, the surrogate before the score-function terms, each guide site's downstream cost
+    (by provenance), the whole per-particle log-ratio (for VarGrad) and the particle plate's frame."""
+    elbo: Any = 0.0
+    surrogate: Any = 0.0
+    costs: dict[str, MultiFrameTensor] = defaultdict(MultiFrameTensor)
+    total = MultiFrameTensor()
+    for name, site in model_trace.nodes.items():
+        if site["type"] != "sample" or name in kls:
+            continue
+        elbo = elbo + site["log_prob_sum"]
+        surrogate = surrogate + site["log_prob_sum"]
+        term = (site["cond_indep_stack"], site["log_prob"])
+        total.add(term)
+        for key in get_provenance(site["log_prob_sum"]):
+            costs[key].add(term)
+    particle_frame = None
+    for name, site in guide_trace.nodes.items():
+        if site["type"] != "sample":
+            continue
+        particle_frame = particle_frame or next(
+            (f for f in site["cond_indep_stack"] if f.name == _PARTICLE_PLATE), None
+        )
+        if name in kls:
+            elbo = elbo - kls[name].sum()
+            surrogate = surrogate - kls[name].sum()
+            continue
+        elbo = elbo - site["log_prob_sum"]
+        entropy_term = site["score_parts"].entropy_term
+        if not is_identically_zero(entropy_term):
+            surrogate = surrogate - entropy_term.sum()
+        term = (site["cond_indep_stack"], -site["log_prob"])
+        total.add(term)
+        for key in get_provenance(site["log_prob_sum"]):
+            costs[key].add(term)
+    return elbo, surrogate, costs, total, particle_frame
 
 
 def _check_particles(kind: str, where: str, num_particles: int, vectorize: bool) -> None:
