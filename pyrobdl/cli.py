@@ -239,7 +239,8 @@ def _compare_executor(args: argparse.Namespace) -> tuple[Any, Any]:
     if args.executor == "ray":
         from .compare.ray_executor import RayExecutor
 
-        executor = RayExecutor(args.ray_address, **({} if args.max_retries is None else {"max_retries": args.max_retries}))
+        retries = {} if args.max_retries is None else {"max_retries": args.max_retries}
+        executor = RayExecutor(args.ray_address, **retries)
         return executor, executor
     if args.workers > 1:
         import concurrent.futures as cf

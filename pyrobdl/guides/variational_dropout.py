@@ -215,6 +215,30 @@ def _check_threshold(threshold: Any) -> float:
     return float(threshold)
 
 
+def _check_vd_arguments(model: Any, sparse: Any, ard: Any, init_log_sigma2: Any, init_loc: Any,
+                        local_reparameterization: Any) -> tuple[bool, bool, bool]:
+    """:class:`VariationalDropout`'s arguments checked before anything is built; the three flags."""
+    sparse = _check_bool("sparse", sparse)
+    ard = _check_bool("ard", ard)
+    local_reparameterization = _check_bool("local_reparameterization", local_reparameterization)
+    if not isinstance(getattr(model, "prior", None), LogUniform):
+        raise ValueError(
+            f"VariationalDropout needs a model with prior=pyrobdl.priors.LogUniform(); got "
+            f"{getattr(model, 'prior', None)!r}"
+        )
+    if ard and not sparse:
+        raise ValueError("ard=True needs sparse=True: the ARD KL does not bound alpha")
+    if (isinstance(init_log_sigma2, bool) or not isinstance(init_log_sigma2, (int, float))
+            or not math.isfinite(init_log_sigma2)):
+        raise ValueError(f"init_log_sigma2 must be a finite number, got {init_log_sigma2!r}")
+    if isinstance(init_loc, str) and init_loc != "linear":
+        raise ValueError(
+            f"init_loc must be 'linear' or a dict of tensors, got {init_loc!r} (the log-uniform "
+            "prior is improper: it has neither draws nor a mean)"
+        )
+    return sparse, ard, local_reparameterization
+
+
 class VariationalDropout(BNNGuide):
     r"""Variational dropout guide: sparse VD (Molchanov 2017), Kingma's VD (2015) or its ARD reading.
 
@@ -285,27 +309,8 @@ class VariationalDropout(BNNGuide):
         init_loc: str | Mapping[str, torch.Tensor] = "linear",
         local_reparameterization: bool = True,
     ) -> None:
-        sparse = _check_bool("sparse", sparse)
-        ard = _check_bool("ard", ard)
-        local_reparameterization = _check_bool("local_reparameterization", local_reparameterization)
-        if not isinstance(getattr(model, "prior", None), LogUniform):
-            raise ValueError(
-                f"VariationalDropout needs a model with prior=pyrobdl.priors.LogUniform(); got "
-                f"{getattr(model, 'prior', None)!r}"
-            )
-        if ard and not sparse:
-            raise ValueError("ard=True needs sparse=True: the ARD KL does not bound alpha")
-        if (
-            isinstance(init_log_sigma2, bool)
-            or not isinstance(init_log_sigma2, (int, float))
-            or not math.isfinite(init_log_sigma2)
-        ):
-            raise ValueError(f"init_log_sigma2 must be a finite number, got {init_log_sigma2!r}")
-        if isinstance(init_loc, str) and init_loc != "linear":
-            raise ValueError(
-                f"init_loc must be 'linear' or a dict of tensors, got {init_loc!r} (the log-uniform "
-                "prior is improper: it has neither draws nor a mean)"
-            )
+        sparse, ard, local_reparameterization = _check_vd_arguments(model, sparse, ard, init_log_sigma2, init_loc,
+                                                                    local_reparameterization)
         super().__init__(model)
         self.sparse = sparse
         self.ard = ard
@@ -316,13 +321,24 @@ class VariationalDropout(BNNGuide):
             and not isinstance(_base(s.prior), ImproperFlat)
         )
         self.point_sites = tuple(s.name for s in self.site_specs if isinstance(_base(s.prior), ImproperFlat))
-        values = init_values(self.site_specs, init_loc)
         self._transforms = {}
+        self._init_params(init_values(self.site_specs, init_loc), float(init_log_sigma2))
+        # one vector [means (P), spreads]: the means (theta, a point site's loc, another site's
+        # unconstrained loc) in the flat layout's order, then log sigma^2 of the sparsified
+        # sites and the softplus-scale of the others, in the same order (point sites have none)
+        means = [f"{s.key}_theta" if s.name in self.sparse_sites else f"{s.key}_loc" for s in self.site_specs]
+        spreads = [f"{s.key}_log_sigma2" for s in self.site_specs if s.name in self.sparse_sites]
+        spreads += [f"{s.key}_scale" for s in self.site_specs if s.name not in self.sparse_sites + self.point_sites]
+        self._pack("params", means + spreads)
+
+    def _init_params(self, values: Mapping[str, torch.Tensor], init_log_sigma2: float) -> None:
+        """Each site's parameters: theta, log sigma^2 and an all-ones mask for a sparsified site, a loc
+        for a point site, an unconstrained loc and a softplus scale for any other."""
         for s in self.site_specs:
             v = values[s.name].detach().clone()
             if s.name in self.sparse_sites:
                 setattr(self, f"{s.key}_theta", PyroParam(v))
-                setattr(self, f"{s.key}_log_sigma2", PyroParam(torch.full_like(v, float(init_log_sigma2))))
+                setattr(self, f"{s.key}_log_sigma2", PyroParam(torch.full_like(v, init_log_sigma2)))
                 # all-ones mask: a pruned copy (see prune) replaces it
                 self.register_buffer(f"{s.key}_mask", torch.ones_like(v))
             elif s.name in self.point_sites:
@@ -337,13 +353,6 @@ class VariationalDropout(BNNGuide):
                     f"{s.key}_scale",
                     PyroParam(torch.full_like(loc, 1e-2), constraint=constraints.softplus_positive),
                 )
-        # one vector [means (P), spreads]: the means (theta, a point site's loc, another site's
-        # unconstrained loc) in the flat layout's order, then log sigma^2 of the sparsified
-        # sites and the softplus-scale of the others, in the same order (point sites have none)
-        means = [f"{s.key}_theta" if s.name in self.sparse_sites else f"{s.key}_loc" for s in self.site_specs]
-        spreads = [f"{s.key}_log_sigma2" for s in self.site_specs if s.name in self.sparse_sites]
-        spreads += [f"{s.key}_scale" for s in self.site_specs if s.name not in self.sparse_sites + self.point_sites]
-        self._pack("params", means + spreads)
 
     def flat_family(self) -> tuple[str, dict[str, Any]] | None:
         r"""The guide as one packed vector for pyrobdl's flat hot path.

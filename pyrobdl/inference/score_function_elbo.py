@@ -201,7 +201,8 @@ class ScoreFunctionELBO(TraceGraph_ELBO):
         return (whole - whole.mean(dim, keepdim=True)) * (p / (p - 1)), 0.0
 
 
-def _log_ratio_terms(model_trace: Any, guide_trace: Any, kls: Mapping[str, torch.Tensor]) -> tuple[Any, Any, dict, Any, Any]:
+def _log_ratio_terms(model_trace: Any, guide_trace: Any, kls: Mapping[str, torch.Tensor]
+                     ) -> tuple[Any, Any, dict, Any, Any]:
     """The ELBO, the surrogate before the score-function terms, each guide site's downstream cost
     (by provenance), the whole per-particle log-ratio (for VarGrad) and the particle plate's frame."""
     elbo: Any = 0.0
