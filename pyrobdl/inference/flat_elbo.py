@@ -43,7 +43,8 @@ unit (the draws of :class:`~pyrobdl.poutine.LocalReparameterizationMessenger`); 
 sampled from :math:`\varepsilon` then enter only a Monte Carlo KL, as under Pyro's ELBOs.
 
 MC dropout and variational dropout (with local reparameterization) have their own closed forms
-and derivatives in :mod:`pyrobdl.inference.flat_dropout` (``tests/test_flat_dropout.py``).
+and derivatives in :mod:`pyrobdl.inference.flat_dropout` and :mod:`pyrobdl.inference.flat_vd`
+(``tests/test_flat_dropout.py``).
 
 ``tests/test_flat_elbo.py`` holds value and gradient equal to Pyro's ``Trace_ELBO`` and
 ``TraceMeanField_ELBO`` on the unchanged model and guide for the same draws (the noise
@@ -106,7 +107,8 @@ class FlatELBO(torch.nn.Module):
         tanh (see :class:`~pyrobdl.flat.FlatLogJoint`).
     guide : pyrobdl.guides.MeanField, MAP, Dropout or VariationalDropout
         A guide whose :meth:`flat_family` is not None (the dropout families are computed by
-        :mod:`pyrobdl.inference.flat_dropout`; variational dropout needs no Gaussian prior).
+        :mod:`pyrobdl.inference.flat_dropout` and :mod:`pyrobdl.inference.flat_vd`; variational dropout
+        needs no Gaussian prior).
     num_particles : int, default 1
         Monte Carlo samples per step, evaluated as one batch.
     analytic_kl : bool, default True
@@ -180,7 +182,8 @@ class FlatELBO(torch.nn.Module):
 
     def _log_joint(self, x: torch.Tensor, y: torch.Tensor) -> FlatLogJoint:
         if self._lj is None or self._data[0] is not x or self._data[1] is not y:
-            from .flat_dropout import DropoutPlan, VDPlan
+            from .flat_dropout import DropoutPlan
+            from .flat_vd import VDPlan
 
             vd = self.family == "variational_dropout"
             self._lj = FlatLogJoint(self.model, x, y, prior=not vd)
@@ -196,7 +199,7 @@ class FlatELBO(torch.nn.Module):
                 if self.family == "dropout":
                     self._plan = DropoutPlan(self.guide, self._lj)
                 elif self.family == "normal" and self.guide.local_reparameterization:
-                    from .flat_dropout import NormalLRTPlan
+                    from .flat_vd import NormalLRTPlan
 
                     self._plan = NormalLRTPlan(self._lj)
         return self._lj
@@ -248,26 +251,27 @@ class FlatELBO(torch.nn.Module):
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         lj = self._log_joint(x, y)
         beta = self.kl_weight
-        if self.family in ("dropout", "variational_dropout"):
+        if self.family == "dropout":
             from . import flat_dropout as fd
 
-            s = self.num_particles
-            if self.family == "dropout":
-                if noise is None:
-                    noise = fd.dropout_noise(self.guide, self._plan, s, lj)
-                return fd.dropout_loss_and_grads(self.guide, self._plan, lj, self._params["loc"],
-                                                 self._params["fallback"], noise, subsample, self.analytic_kl, beta)
+            if noise is None:
+                noise = fd.dropout_noise(self.guide, self._plan, self.num_particles, lj)
+            return fd.dropout_loss_and_grads(self.guide, self._plan, lj, self._params["loc"],
+                                             self._params["fallback"], noise, subsample, self.analytic_kl, beta)
+        if self.family == "variational_dropout":
+            from . import flat_vd
+
             if noise is None:
                 batch = lj.num_data if subsample is None else subsample.shape[-1]
-                noise = fd.vd_noise(self.guide, self._plan, s, batch, lj)
-            return fd.vd_loss_and_grads(self.guide, self._plan, lj, self._params["loc"], self._params["spread"],
-                                        noise, subsample, self.analytic_kl, beta)
+                noise = flat_vd.vd_noise(self.guide, self._plan, self.num_particles, batch, lj)
+            return flat_vd.vd_loss_and_grads(self.guide, self._plan, lj, self._params["loc"], self._params["spread"],
+                                             noise, subsample, self.analytic_kl, beta)
         if self._plan is not None:  # mean field with local reparameterization
-            from . import flat_dropout as fd
+            from . import flat_vd
 
             if noise is None:
                 batch = lj.num_data if subsample is None else subsample.shape[-1]
-                noise = fd.normal_lrt_noise(self._plan, self.num_particles, batch, lj)
+                noise = flat_vd.normal_lrt_noise(self._plan, self.num_particles, batch, lj)
             loss, grad = self._loss_and_grads_normal(lj, beta, subsample, noise["eps"], noise["preactivations"])
             return loss, [grad]
         if isinstance(noise, dict):
@@ -328,7 +332,7 @@ def normal_loss_and_grad(
 
     ``kl_terms``: (prior precisions ``[P]``, the closed-form KL's constant, analytic or Monte
     Carlo KL); ``eps`` ``[S, P]``: the standard normals of the step; ``plan`` and
-    ``preactivations``: local reparameterization (:class:`~pyrobdl.inference.flat_dropout.NormalLRTPlan`).
+    ``preactivations``: local reparameterization (:class:`~pyrobdl.inference.flat_vd.NormalLRTPlan`).
     ``beta`` may be a 0-d tensor; ``functional``: no ``out=`` writes and no branch on ``beta``
     (for ``torch.compile``, :mod:`pyrobdl.inference.flat_step`; the same operations otherwise).
     """
@@ -336,7 +340,7 @@ def normal_loss_and_grad(
     sigma = torch.nn.functional.softplus(rho)
     theta = torch.addcmul(loc, sigma, eps)  # [S, P]
     if preactivations is not None:  # the weights reach the likelihood through sampled pre-activations, not theta
-        from .flat_dropout import _lrt_likelihood
+        from .flat_vd import _lrt_likelihood
 
         ll, g_mu, g_var, g = _lrt_likelihood(plan, lj, loc, sigma * sigma, theta, subsample, preactivations, functional)
     elif functional:

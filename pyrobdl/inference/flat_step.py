@@ -7,11 +7,11 @@ batch 32 on the 1 x 50 benchmark BNN the arithmetic is tiny and the step is some
 operations, each paying the dispatcher.  :class:`FusedFlatAdam` compiles the same operations —
 :func:`~pyrobdl.inference.flat_elbo.normal_loss_and_grad` (or
 :func:`~pyrobdl.inference.flat_elbo.delta_loss_and_grad` for MAP,
-:func:`~pyrobdl.inference.flat_dropout.vd_loss_and_grads` for variational dropout) and the Adam
+:func:`~pyrobdl.inference.flat_vd.vd_loss_and_grads` for variational dropout) and the Adam
 update — into one graph, called once per step.  Outside it stay only what must be equal to the
 eager path draw for draw: the step's normal draws (the same calls as the eager path —
-``torch.randn``, :func:`~pyrobdl.inference.flat_dropout.normal_lrt_noise`,
-:func:`~pyrobdl.inference.flat_dropout.vd_noise` — so both consume the global generator
+``torch.randn``, :func:`~pyrobdl.inference.flat_vd.normal_lrt_noise`,
+:func:`~pyrobdl.inference.flat_vd.vd_noise` — so both consume the global generator
 identically) and the minibatch indices of the loop.
 
 The learning rate, the KL weight :math:`\beta` and Adam's step count live in one float64 tensor
@@ -33,7 +33,8 @@ from typing import Any
 import torch
 
 from ..flat.compiled import _compiled_entry
-from .flat_dropout import dropout_loss_and_grads, dropout_noise, normal_lrt_noise, vd_loss_and_grads, vd_noise
+from .flat_dropout import dropout_loss_and_grads, dropout_noise
+from .flat_vd import normal_lrt_noise, vd_loss_and_grads, vd_noise
 from .flat_elbo import FlatELBO, delta_loss_and_grad, normal_loss_and_grad
 
 __all__ = ["FusedFlatAdam", "fused_support"]
@@ -73,7 +74,8 @@ def _fused_step(
 
     ``terms``: the family and what its objective reads besides the data (a plain namespace, not
     the guide module, so that Dynamo guards on values); ``noise``: the step's draws, as the eager
-    path draws them; ``plan``: the family's index plan (:mod:`pyrobdl.inference.flat_dropout`) or None.
+    path draws them; ``plan``: the family's index plan (:mod:`pyrobdl.inference.flat_dropout`,
+    :mod:`pyrobdl.inference.flat_vd`) or None.
     """
     b1, b2, adam_eps = betas
     vec = vecs[0]
