@@ -61,14 +61,19 @@ def _dataset_dir(name: object, data_dir: str | os.PathLike | None) -> tuple[str,
     return canonical, folder
 
 
-def _read_ints(path: pathlib.Path) -> np.ndarray:
-    """Read whitespace-separated integers (index files) as a 1-D int64 array."""
+def _load_text(path: pathlib.Path, ndmin: int) -> np.ndarray:
+    """``np.loadtxt`` of a UCI file as float64; a missing or unparsable file is named in the error."""
     if not path.is_file():
         raise FileNotFoundError(f"missing UCI file: '{path}'")
     try:
-        values = np.loadtxt(path, dtype=np.float64, ndmin=1)
+        return np.loadtxt(path, dtype=np.float64, ndmin=ndmin)
     except ValueError as err:
         raise ValueError(f"could not parse UCI file '{path}': {err}") from err
+
+
+def _read_ints(path: pathlib.Path) -> np.ndarray:
+    """Read whitespace-separated integers (index files) as a 1-D int64 array."""
+    values = _load_text(path, 1)
     # Index files are written as plain integers, but reading through float
     # and checking keeps a stray "3.0" from silently truncating.
     if values.ndim != 1 or not np.all(np.isfinite(values)) or np.any(values != np.round(values)):
@@ -308,12 +313,7 @@ def _read_split(folder: pathlib.Path, split: int) -> tuple[np.ndarray, np.ndarra
     train_rows = _read_ints(folder / f"index_train_{split}.txt")
     test_rows = _read_ints(folder / f"index_test_{split}.txt")
     data_file = folder / "data.txt"
-    if not data_file.is_file():
-        raise FileNotFoundError(f"missing UCI file: '{data_file}'")
-    try:
-        data = np.loadtxt(data_file, dtype=np.float64, ndmin=2)
-    except ValueError as err:
-        raise ValueError(f"could not parse UCI file '{data_file}': {err}") from err
+    data = _load_text(data_file, 2)
 
     num_rows, num_cols = data.shape
     columns = np.concatenate([features, target])
