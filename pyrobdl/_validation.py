@@ -9,7 +9,27 @@ import numpy as np
 import torch
 
 __all__ = ["as_tensor", "available_memory", "check_data", "check_fit_sizes", "check_inputs", "check_memory",
-           "check_option_values", "positive_number", "resolve_device"]
+           "check_option_values", "nesting_depth", "positive_number", "resolve_device"]
+
+#: Deepest nesting of lists and dicts accepted in a parsed suite file or result record.
+MAX_NESTING = 64
+
+
+def nesting_depth(obj: Any, limit: int = MAX_NESTING) -> int:
+    """Nesting depth of parsed TOML or JSON (dicts and lists), without recursion; stops counting
+    once past ``limit`` (so the answer does not depend on Python's recursion limit, which
+    ``torch.compile`` raises for the rest of the process)."""
+    deepest, stack = 0, [(obj, 1)]
+    while stack:
+        item, d = stack.pop()
+        deepest = max(deepest, d)
+        if d > limit:
+            break
+        if isinstance(item, dict):
+            stack.extend((v, d + 1) for v in item.values())
+        elif isinstance(item, list):
+            stack.extend((v, d + 1) for v in item)
+    return deepest
 
 
 def positive_number(name: str, value: Any) -> float:

@@ -57,6 +57,7 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping
 
+from .._validation import MAX_NESTING, nesting_depth
 from ..inference import get_method, methods
 from ..model import ACTIVATIONS
 from .published import PUBLISHED
@@ -508,4 +509,7 @@ def load_suite(path: str | Path) -> Suite:
     except RecursionError:
         raise ConfigError(f"{path}: nested too deeply to be a suite file (arrays or tables inside each other "
                           "beyond Python's recursion limit)") from None
+    if nesting_depth(raw) > MAX_NESTING:  # what parsed under a raised recursion limit (torch.compile raises it)
+        raise ConfigError(f"{path}: nested too deeply to be a suite file (arrays or tables inside each other "
+                          f"more than {MAX_NESTING} levels)")
     return parse_suite(raw, path)

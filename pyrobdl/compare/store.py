@@ -58,6 +58,7 @@ import numpy as np
 import torch
 
 from .._io import WriteError, atomic_write, atomic_write_bytes, file_sha256, new_run_id
+from .._validation import MAX_NESTING, nesting_depth
 
 __all__ = [
     "RESULT_FILE",
@@ -87,7 +88,6 @@ _REQUIRED_FIELDS = ("schema", "id", "status", "dataset", "method", "split", "see
 #: States :func:`cell_state` returns that mean "run this cell (again)".
 RUN_STATES = ("missing", "failed", "incomplete", "damaged", "stale_reference")
 #: Deepest JSON nesting a record may have (a record is about 5 deep; this only stops hostile files).
-_MAX_DEPTH = 64
 _TMP = re.compile(r"^\..+\.tmp-(r[0-9a-f]{12})-(\d+)-[0-9a-f]{8}$")
 _SHA = re.compile(r"^[0-9a-f]{64}$")
 
@@ -160,21 +160,6 @@ def npz_bytes(arrays: Mapping[str, np.ndarray]) -> bytes:
 def atomic_save_npz(path: Path, arrays: Mapping[str, np.ndarray], *, owner: str | None = None) -> str:
     """Write a compressed ``.npz`` atomically; return its SHA-256."""
     return atomic_write_bytes(path, npz_bytes(arrays), owner=owner)
-
-
-def _depth(obj: Any) -> int:
-    """Nesting depth of parsed JSON, without recursion."""
-    deepest, stack = 0, [(obj, 1)]
-    while stack:
-        item, d = stack.pop()
-        deepest = max(deepest, d)
-        if d > _MAX_DEPTH:
-            break
-        if isinstance(item, dict):
-            stack.extend((v, d + 1) for v in item.values())
-        elif isinstance(item, list):
-            stack.extend((v, d + 1) for v in item)
-    return deepest
 
 
 def _is_int(v: Any) -> bool:
@@ -259,8 +244,8 @@ def read_result(path: Path) -> dict[str, Any]:
         raise ResultsError(f"corrupt result file {path}: {reason}") from None
     if not isinstance(record, dict):
         raise ResultsError(f"corrupt result file {path}: not a JSON object")
-    if _depth(record) > _MAX_DEPTH:
-        raise ResultsError(f"corrupt result file {path}: nested deeper than {_MAX_DEPTH} levels")
+    if nesting_depth(record) > MAX_NESTING:
+        raise ResultsError(f"corrupt result file {path}: nested deeper than {MAX_NESTING} levels")
     missing = [k for k in _REQUIRED_FIELDS if k not in record]
     if missing:
         raise ResultsError(f"corrupt result file {path}: missing field(s) {missing}")
