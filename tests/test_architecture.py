@@ -35,7 +35,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("flat log joint", ("pyrobdl.flat",)),
     ("diagnostics core", tuple(f"pyrobdl.diagnostics.{m}" for m in (
         "rhat", "rank_diagnostics", "chain_outliers", "energy", "inputs", "metrics", "certificate",
-        "certification", "arviz_adapter"))),
+        "certification", "arviz_adapter", "draws"))),
     ("posterior contract", ("pyrobdl.posterior",)),
     ("guides", ("pyrobdl.guides",)),
     ("inference", ("pyrobdl.inference",)),
