@@ -11,7 +11,8 @@ import torch
 __all__ = ["as_tensor", "available_memory", "check_data", "check_fit_sizes", "check_inputs", "check_memory",
            "check_option_values", "nesting_depth", "positive_number", "resolve_device"]
 
-#: Deepest nesting of lists and dicts accepted in a parsed suite file or result record.
+#: Deepest nesting of lists and dicts accepted in a parsed suite file or result record (a record is
+#: about 5 deep, a suite file about 4; this only stops hostile files).
 MAX_NESTING = 64
 
 

@@ -87,7 +87,6 @@ RESULT_FILE = "result.json"
 _REQUIRED_FIELDS = ("schema", "id", "status", "dataset", "method", "split", "seed", "config_hash")
 #: States :func:`cell_state` returns that mean "run this cell (again)".
 RUN_STATES = ("missing", "failed", "incomplete", "damaged", "stale_reference")
-#: Deepest JSON nesting a record may have (a record is about 5 deep; this only stops hostile files).
 _TMP = re.compile(r"^\..+\.tmp-(r[0-9a-f]{12})-(\d+)-[0-9a-f]{8}$")
 _SHA = re.compile(r"^[0-9a-f]{64}$")
 

@@ -51,7 +51,6 @@ __all__ = [
 ]
 
 
-
 def arviz_convergence(draws: Any) -> dict[str, np.ndarray]:
     r"""ArviZ's own split-R-hat and bulk/tail effective sample sizes of each scalar quantity.
 
@@ -105,13 +104,6 @@ def bfmi(energy: Any) -> np.ndarray:
     return np.asarray(az.bfmi(arr), dtype=float)
 
 
-# ----------------------------------------------------------------------------- draws
-
-
-#: What this module reads of a posterior: the hooks and fields of
-#: :class:`pyrobdl.posterior.Posterior`.  It sits below the posterior contract
-#: (docs/architecture.md: ``Posterior.to_inference_data`` calls down to it), so it checks for them
-#: rather than importing the class.
 # ----------------------------------------------------------------------------- InferenceData
 
 

@@ -21,6 +21,10 @@ __all__ = ["chain_draws", "is_point_mass", "pointwise_log_likelihood"]
 #: Draws evaluated through the network at once (bounds memory for large test sets).
 _CHUNK = 256
 
+#: What this module (and the adapter) reads of a posterior: the hooks and fields of
+#: :class:`pyrobdl.posterior.Posterior`.  It sits below the posterior contract
+#: (docs/architecture.md: ``Posterior.to_inference_data`` calls down to it), so it checks for them
+#: rather than importing the class.
 _POSTERIOR_HOOKS = ("_chains", "_sample_stats")
 _POSTERIOR_FIELDS = ("model", "method", "settings", "cost")
 
