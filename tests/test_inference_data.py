@@ -229,6 +229,20 @@ def test_read_inference_data_is_lazy_equal_and_closed(tmp_path):
         np.testing.assert_array_equal(back.log_likelihood["y"].values, idata.log_likelihood["y"].values)
 
 
+@pytest.mark.parametrize("name", ["mean_field", "nuts"])
+def test_stored_dims_are_those_of_the_written_groups(tmp_path, name):
+    """The report's cheap look into a stored file (which cells get rank plots): every group and
+    every dimension size that ArviZ writes, read back from the file's metadata alone."""
+    from pyrobdl.diagnostics.arviz_adapter import stored_dims
+
+    idata = idata_of(name, "regression")
+    path = tmp_path / "idata.nc"
+    idata.to_netcdf(str(path))
+    want = {g: {d: int(n) for d, n in getattr(idata, g).sizes.items()} for g in idata.groups()}
+    assert stored_dims(path) == want
+    assert ("sample_stats" in want) == (name == "nuts")  # what rank_plots selects on
+
+
 def test_to_inference_data_is_reproducible_from_the_seed():
     posterior, x, y = fitted("mean_field", "regression")
     a = posterior.to_inference_data(x, y, num_samples=8, seed=3)

@@ -471,13 +471,16 @@ def rank_plots(records: Sequence[Mapping[str, Any]], dataset: str) -> list[Figur
     Drawn for every method whose first cell stored an ``InferenceData`` with a ``sample_stats``
     group and more than one chain (MCMC), with :func:`pyrobdl.diagnostics.plots.plot_rank`.
     """
-    from ..diagnostics.arviz_adapter import read_inference_data
+    from ..diagnostics.arviz_adapter import read_inference_data, stored_dims
 
     out = []
     for label, recs in by_method(ok_records(records)).items():
         first = _first(recs)
         name = (first.get("artifacts") or {}).get("inference_data")
         if not name or "_dir" not in first or not (Path(first["_dir"]) / name).exists():
+            continue
+        dims = stored_dims(Path(first["_dir"]) / name)  # from the file's metadata: variational fits skipped unopened
+        if "sample_stats" not in dims or dims.get("posterior", {}).get("chain", 1) < 2:
             continue
         with read_inference_data(Path(first["_dir"]) / name) as idata:  # reads only what is drawn
             fig = _rank_figure(idata, first, dataset, label)
