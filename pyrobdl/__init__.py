@@ -30,6 +30,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "poutine": ("pyrobdl.poutine", None),
     "priors": ("pyrobdl.priors", None),
     "references": ("pyrobdl.references", None),
+    "retain_freed_memory": ("pyrobdl._allocator", "retain_freed_memory"),
 }
 
 __all__ = sorted([*_LAZY, "__version__"])

@@ -28,8 +28,8 @@ PKG = ROOT.name
 #: name says otherwise, every module below it (``pyrobdl.guides`` covers ``pyrobdl.guides.base``).
 #: docs/architecture.md draws the same table.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("foundation", ("pyrobdl._validation", "pyrobdl._io", "pyrobdl._version", "pyrobdl.poutine",
-                    "pyrobdl.torch_interop")),
+    ("foundation", ("pyrobdl._validation", "pyrobdl._io", "pyrobdl._version", "pyrobdl._allocator",
+                    "pyrobdl.poutine", "pyrobdl.torch_interop")),
     ("data", ("pyrobdl.datasets",)),
     ("model", ("pyrobdl.priors", "pyrobdl.likelihoods", "pyrobdl.model", "pyrobdl._saved")),
     ("flat log joint", ("pyrobdl.flat",)),

@@ -182,7 +182,10 @@ def compute_cell(task: CellTask) -> CellResult:
         The record's ``status`` is ``"failed"`` (with the error, its traceback and the stage it
         happened in) when any step raised an ``Exception``.
     """
+    from .._allocator import retain_freed_memory
     from ..inference.registry import DEFAULTS
+
+    retain_freed_memory()  # the worker process (a pool's or Ray's) is the suite's: see pyrobdl._allocator
 
     saved_threads = (torch.get_num_threads(), DEFAULTS.get("threads"))
     if task.threads is not None:

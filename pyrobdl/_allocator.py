@@ -1,0 +1,94 @@
+r"""Keep freed heap memory in the process, so that hot loops stop paying page faults (glibc only).
+
+The samplers' log joint allocates its activations afresh on every call — at wine's reference
+shape (64 chains, 1,439 rows, 50 units) an 18 MB buffer per layer, in the compiled kernel as in
+the eager one — and frees them when the call returns.  glibc's ``malloc`` serves such blocks
+with ``mmap`` or trims them off the top of the heap when they are freed, so the next call
+faults every page back in, zero-filled by the kernel: measured on the wine reference runs, 1,160
+minor page faults per call and a quarter of the process's CPU time in the kernel (133.5 against
+99.8 CPU µs per chain-gradient, the same chains; ``comparisons/benchmarks/malloc_faults.py``
+and docs/benchmarks/chees.md).  Raising ``M_MMAP_THRESHOLD`` keeps blocks up to 32 MB on the
+heap and raising ``M_TRIM_THRESHOLD`` keeps the freed top of the heap mapped, so the pages are
+reused.  The price is memory held after it is freed (up to the trim threshold), which a
+long-running sampler or a suite of fits re-uses on its next call anyway.
+
+The settings are process-wide and cannot be undone (``mallopt`` switches off glibc's own
+adaptive threshold), so the library does not apply them behind a user's back: ``pyrobdl``'s
+command line and the comparison scripts do, and a script that calls :func:`pyrobdl.fit` may
+(:func:`retain_freed_memory`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+__all__ = ["MAX_MMAP_THRESHOLD", "retain_freed_memory"]
+
+#: glibc's mallopt parameter numbers (malloc.h).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+#: The largest ``M_MMAP_THRESHOLD`` glibc accepts on a 64-bit system (HEAP_MAX_SIZE / 2).
+MAX_MMAP_THRESHOLD = 32 * 1024 * 1024
+
+_applied: tuple[int, int] | None = None
+
+
+def retain_freed_memory(mmap_threshold: int = MAX_MMAP_THRESHOLD, trim_threshold: int = 1 << 30) -> bool:
+    """Tell glibc's ``malloc`` to keep freed blocks mapped, for the rest of the process.
+
+    Call once, before the fits (``pyrobdl compare`` does it for every cell; so does
+    ``comparisons/uci_references.py``).  Values and gradients are unchanged — only where the
+    memory comes from — and a second call with the same values does nothing.
+
+    Parameters
+    ----------
+    mmap_threshold : int, default 32 MiB
+        Blocks below this many bytes come from the heap instead of their own ``mmap``;
+        at most :data:`MAX_MMAP_THRESHOLD`.
+    trim_threshold : int, default 1 GiB
+        Free memory at the top of the heap is returned to the system only above this many bytes.
+
+    Returns
+    -------
+    bool
+        True when the settings are in force; False on a C library without ``mallopt``
+        (macOS, Windows, musl), where nothing is changed.
+
+    Raises
+    ------
+    ValueError
+        For a threshold that is not a positive integer, or ``mmap_threshold`` above
+        :data:`MAX_MMAP_THRESHOLD`, naming it.
+    """
+    global _applied
+    for name, value in (("mmap_threshold", mmap_threshold), ("trim_threshold", trim_threshold)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive number of bytes, got {value!r}")
+    if mmap_threshold > MAX_MMAP_THRESHOLD:
+        raise ValueError(f"mmap_threshold must be at most {MAX_MMAP_THRESHOLD} bytes (glibc's limit), "
+                         f"got {mmap_threshold}")
+    if _applied == (mmap_threshold, trim_threshold):
+        return True
+    mallopt = _mallopt()
+    if mallopt is None:
+        return False
+    if not (mallopt(_M_MMAP_THRESHOLD, mmap_threshold) and mallopt(_M_TRIM_THRESHOLD, min(trim_threshold, 2**31 - 1))):
+        return False
+    _applied = (mmap_threshold, trim_threshold)
+    return True
+
+
+def _mallopt():
+    """glibc's ``mallopt`` as a ctypes function, or None on any other C library."""
+    try:
+        libc = os.confstr("CS_GNU_LIBC_VERSION") or ""  # "glibc 2.36"; unset elsewhere
+    except (AttributeError, ValueError, OSError):
+        return None
+    if not libc.startswith("glibc"):
+        return None
+    try:
+        fn = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    return fn
