@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -360,6 +361,9 @@ def main(argv=None) -> int:
     p.add_argument("--cpu-core", type=int, default=None, metavar="N",
                    help="run on CPU core N only (set before torch or JAX starts a thread): CPU seconds are then "
                    "one core's; without it a helper thread of JAX's can add a second core's time where one is idle")
+    p.add_argument("--retain-freed-memory", action="store_true",
+                   help="pyrobdl.retain_freed_memory() before either sampler starts (glibc's malloc keeps freed "
+                   "buffers mapped; what pyrobdl compare does; docs/benchmarks/chees.md, glibc's malloc)")
     p.add_argument("--out", help="append the run's JSON line here")
     p.add_argument("--table", metavar="JSONL", help="print the Markdown table of these runs and stop")
     args = p.parse_args(argv)
@@ -382,6 +386,10 @@ def main(argv=None) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         p.error(f"--device {args.device}: CUDA is not available")
     torch.set_num_threads(1)
+    if args.retain_freed_memory:
+        import pyrobdl
+
+        pyrobdl.retain_freed_memory()
     if args.sampler != "chees":
         try:
             import blackjax  # noqa: F401
@@ -403,7 +411,8 @@ def main(argv=None) -> int:
     row.update(sampler=args.sampler, chains=args.chains, warmup=args.warmup, samples=args.samples, seed=args.seed,
                device=args.device, device_name=device_name(args.device), compile=args.compile,
                chees_options=dict(_option(o) for o in args.chees_option),
-               load=load(), cpu_core=args.cpu_core)
+               load=load(), cpu_core=args.cpu_core, retain_freed_memory=args.retain_freed_memory,
+               process_minor_faults=resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
     line = json.dumps(row)
     print(line, flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
