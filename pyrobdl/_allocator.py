@@ -1,20 +1,23 @@
 r"""Keep freed heap memory in the process, so that hot loops stop paying page faults (glibc only).
 
-The samplers' log joint allocates its activations afresh on every call — at wine's reference
-shape (64 chains, 1,439 rows, 50 units) an 18 MB buffer per layer, in the compiled kernel as in
-the eager one — and frees them when the call returns.  glibc's ``malloc`` serves such blocks
-with ``mmap`` or trims them off the top of the heap when they are freed, so the next call
-faults every page back in, zero-filled by the kernel: measured on the wine reference runs, 1,160
-minor page faults per call and a quarter of the process's CPU time in the kernel (133.5 against
-99.8 CPU µs per chain-gradient, the same chains; ``comparisons/benchmarks/malloc_faults.py``
-and docs/benchmarks/chees.md).  Raising ``M_MMAP_THRESHOLD`` keeps blocks up to 32 MB on the
-heap and raising ``M_TRIM_THRESHOLD`` keeps the freed top of the heap mapped, so the pages are
-reused.  The price is memory held after it is freed (up to the trim threshold), which a
-long-running sampler or a suite of fits re-uses on its next call anyway.
+The compiled log joint allocates its activations afresh on every call — at wine's reference
+shape (64 chains, 1,439 rows, 50 units) an 18 MB buffer — and frees them before it returns.
+glibc's ``malloc`` serves a block that size with its own ``mmap``, or trims it off the top of the
+heap when it is freed, so the next call faults every page back in, zero-filled by the kernel; its
+adaptive threshold, which would keep such blocks on the heap, held only some of the time with the
+compiled graph's pattern of allocations.  Measured on a short chees fit at wine's reference
+shape: 736–1,385 minor page faults per call and 13–20% of the process's time in the kernel, **1.34×
+the CPU per chain-gradient** (136.2 against 101.9 µs, the same chains;
+``comparisons/benchmarks/malloc_faults.py``, docs/benchmarks/chees.md).  The eager kernel at that
+shape did not fault.  Raising ``M_MMAP_THRESHOLD`` keeps blocks up to 32 MB on the heap and
+raising ``M_TRIM_THRESHOLD`` keeps the freed top of the heap mapped, so the pages are reused.  The
+price is memory held after it is freed (up to the trim threshold), which a long-running sampler
+or a suite of fits re-uses on its next call anyway.
 
 The settings are process-wide and cannot be undone (``mallopt`` switches off glibc's own
-adaptive threshold), so the library does not apply them behind a user's back: ``pyrobdl``'s
-command line and the comparison scripts do, and a script that calls :func:`pyrobdl.fit` may
+adaptive threshold), so :func:`pyrobdl.fit` does not apply them behind a user's back: the
+``pyrobdl`` command line, the suite runner (every cell, in whichever process or worker runs it) and
+the comparison scripts do, and a script that calls :func:`pyrobdl.fit` may
 (:func:`retain_freed_memory`).
 """
 
@@ -36,8 +39,8 @@ _applied: tuple[int, int] | None = None
 def retain_freed_memory(mmap_threshold: int = MAX_MMAP_THRESHOLD, trim_threshold: int = 1 << 30) -> bool:
     """Tell glibc's ``malloc`` to keep freed blocks mapped, for the rest of the process.
 
-    Call once, before the fits (``pyrobdl compare`` does it for every cell; so does
-    ``comparisons/uci_references.py``).  Values and gradients are unchanged — only where the
+    Call once, before the fits (the suite runner does it for every cell, whether run by
+    ``pyrobdl compare`` or from Python; so does ``comparisons/uci_references.py``).  Values and gradients are unchanged — only where the
     memory comes from — and a second call with the same values does nothing.
 
     Parameters
