@@ -6,7 +6,7 @@ glibc's ``malloc`` serves a block that size with its own ``mmap``, or trims it o
 heap when it is freed, so the next call faults every page back in, zero-filled by the kernel; its
 adaptive threshold, which would keep such blocks on the heap, held only some of the time with the
 compiled graph's pattern of allocations.  Measured on a short chees fit at wine's reference
-shape: 736–1,385 minor page faults per call and 13–20% of the process's time in the kernel, **1.34×
+shape: 736–1,385 minor page faults per call and 12–20% of the process's time in the kernel, **1.34×
 the CPU per chain-gradient** (136.2 against 101.9 µs, the same chains;
 ``comparisons/benchmarks/malloc_faults.py``, docs/benchmarks/chees.md).  The eager kernel at that
 shape did not fault.  Raising ``M_MMAP_THRESHOLD`` keeps blocks up to 32 MB on the heap and
@@ -16,7 +16,7 @@ or a suite of fits re-uses on its next call anyway.
 
 The settings are process-wide and cannot be undone (``mallopt`` switches off glibc's own
 adaptive threshold), so :func:`pyrobdl.fit` does not apply them behind a user's back: the
-``pyrobdl`` command line, the suite runner (every cell, in whichever process or worker runs it) and
+suite runner (every cell, in whichever process or worker runs it: ``pyrobdl compare``'s fits) and
 the comparison scripts do, and a script that calls :func:`pyrobdl.fit` may
 (:func:`retain_freed_memory`).
 """

@@ -396,9 +396,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     handlers = {"compare": _cmd_compare, "report": _cmd_report, "methods": _cmd_methods}
-    from ._allocator import retain_freed_memory
-
-    retain_freed_memory()  # this process is ours: its fits stop re-faulting freed buffers (_allocator)
     try:
         return handlers[args.command](args)
     except KeyboardInterrupt:
