@@ -272,8 +272,8 @@ def test_chunks_equal_one_call(float64, chunk_size):
     # of the batched matrix products may differ, so equal to float64 rounding
     assert_same_calls(chunked.value_and_grad, whole.value_and_grad, theta, (None, torch.tensor([1, 5, 9])))
     if chunk_size == "auto":
-        # CPU: rows x N x widest layer near 400k numbers, a power of two (N = 12, width 4: 8192)
-        assert chunked.chunk_size == auto_chunk_size(NUM_DATA, 4) == 8192
+        # CPU: rows x N x widest layer near 16 MiB, a power of two (N = 12, width 4, float64: 32768)
+        assert chunked.chunk_size == auto_chunk_size(NUM_DATA, 4, 8) == 32768  # float64
     else:
         assert chunked.chunk_size == chunk_size
     assert value.shape == (7,) and grad.shape == (7, whole.size)
@@ -371,11 +371,18 @@ def test_every_compiled_shape_is_compiled_past_dynamos_recompile_limit(monkeypat
 
 
 def test_auto_chunk_size_is_the_documented_power_of_two():
-    # the docstring's measurement: 1x50 tanh, N = 500 -> chunks of 16 (400k / (500 * 50) = 16)
-    assert auto_chunk_size(500, 50) == 16
-    assert auto_chunk_size(500, 60) == 16  # 13.3 -> log2 3.74 -> 2**4
-    assert auto_chunk_size(500, 100) == 8
+    # activations [N, rows, width] near 16 MiB, the power of two nearest in log scale
+    assert auto_chunk_size(500, 50) == 128  # 2**24 / (500 * 50 * 4) = 167.8 -> log2 7.39 -> 2**7
+    assert auto_chunk_size(1439, 50) == 64  # wine's training split: 58.3 -> 2**6 (18.4 MB)
+    assert auto_chunk_size(7373, 50) == 16  # kin8nm's: 11.4 -> log2 3.51 -> 2**4 (23.6 MB)
+    assert auto_chunk_size(500, 50, 8) == 64  # float64: half the rows
     assert auto_chunk_size(10**6, 100) == 1  # never below one row
+    # never a block above glibc's 32 MB heap ceiling, for any N and width (float32 and float64)
+    for n in (1, 80, 277, 500, 927, 1439, 4000, 7373, 8611, 40000):
+        for width in (1, 10, 50, 100, 1000):
+            for itemsize in (4, 8):
+                rows = auto_chunk_size(n, width, itemsize)
+                assert rows == 1 or rows * n * width * itemsize <= 2**0.5 * 2**24
 
 
 # ----------------------------------------------------------------------------- 3. the layout

@@ -34,11 +34,12 @@ class FlatLogJoint:
         Targets as the model takes them (``[N]``/``[N, out]``, or class labels ``[N]``).
     chunk_size : int or "auto", optional
         Evaluate at most this many rows of ``theta`` at once (bounds memory, e.g. thousands
-        of chains on a GPU); None: all at once.  ``"auto"``: on CPU, as many rows as keep one
-        layer's activations (rows x N x widest layer) near 400k numbers, about what a core's
-        cache holds — measured on the 1x50 tanh benchmark (N = 500, one thread), 64 rows cost
-        322 us per row at once, 151 in chunks of 16, 430 in chunks of 2 (per-call overhead);
-        on CUDA all at once.
+        of chains on a GPU); None: all at once.  ``"auto"``: on CPU, the most rows (a power of
+        two) whose layer activations (N x rows x widest layer) take about 16 MB
+        (:func:`auto_chunk_size`): a larger block is mapped afresh by every call, so rows at once
+        win until that size and lose above it — at wine's shape (N = 1,439, 1 x 50) 64 rows
+        cost 96 CPU us per chain-gradient at once, 134 in chunks of 4 (the rule before: ~1.6 MB),
+        320 for 256 rows at once (docs/benchmarks/chees.md); on CUDA all at once.
     prior : bool, default True
         False: the scaled log-likelihood alone (``value_and_grad(..., prior=False)`` and
         :meth:`output_log_lik_and_grad`), for a model whose prior the flat path does not
@@ -78,7 +79,8 @@ class FlatLogJoint:
         _check_supported(model, prior=prior)
         self.has_prior = bool(prior)
         if chunk_size == "auto":
-            chunk_size = None if x.device.type == "cuda" else auto_chunk_size(x.shape[0], max((*model.hidden, model.out_features)))
+            width = max((*model.hidden, model.out_features))
+            chunk_size = None if x.device.type == "cuda" else auto_chunk_size(x.shape[0], width, x.element_size())
         elif chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
             raise ValueError(f"chunk_size must be an integer >= 1, 'auto' or None, got {chunk_size!r}")
         self.model = model

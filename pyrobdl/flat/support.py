@@ -9,9 +9,18 @@ from .. import likelihoods as _lik
 from .. import priors as _priors
 
 
-def auto_chunk_size(num_data: int, width: int, budget: int = 400_000) -> int:
-    """Rows of ``theta`` per call on CPU: a power of two near ``budget / (num_data * width)``."""
-    rows = max(1.0, budget / max(1, num_data * width))
+#: Bytes of one layer's activations per call that ``chunk_size="auto"`` allows on CPU: half of
+#: glibc's 32 MB ceiling for blocks kept on the heap.  A larger block is mapped afresh by every call
+#: and faulted in page by page (1.6-2.1x the CPU per chain-gradient at the UCI shapes), a smaller
+#: chunk only adds calls (docs/benchmarks/chees.md, "chunk_size and glibc's 32 MB ceiling").
+AUTO_CHUNK_BYTES = 16 * 2**20
+
+
+def auto_chunk_size(num_data: int, width: int, itemsize: int = 4, budget: int = AUTO_CHUNK_BYTES) -> int:
+    """Rows of ``theta`` per call on CPU: the power of two nearest (in log scale) the rows whose
+    ``[num_data, rows, width]`` activations of ``itemsize``-byte numbers take ``budget`` bytes, so
+    at most sqrt(2) x ``budget`` (22.6 MB, under glibc's ceiling); at least 1."""
+    rows = max(1.0, budget / max(1, num_data * width * itemsize))
     return 2 ** round(math.log2(rows))
 
 
