@@ -85,13 +85,7 @@ def one(args: argparse.Namespace) -> None:
     _, n, d, act = next(s for s in SHAPES if s[0] == label)
     ljs, theta = make(n, d, act, k, [size])
     times = interleaved_cpu_us(ljs, theta, args.rounds, args.seconds)[size]
-    print(json.dumps({"median": statistics.median(times), "minflt": _faults()}))
-
-
-def _faults() -> int:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    print(json.dumps({"median": statistics.median(times)}))
 
 
 def fresh(label: str, k: int, sizes: list, args: argparse.Namespace) -> dict:

@@ -11,7 +11,7 @@ from .. import priors as _priors
 
 #: Bytes of one layer's activations per call that ``chunk_size="auto"`` allows on CPU: half of
 #: glibc's 32 MB ceiling for blocks kept on the heap.  A larger block is mapped afresh by every call
-#: and faulted in page by page (1.6-2.1x the CPU per chain-gradient at the UCI shapes), a smaller
+#: and faulted in page by page (3.0-3.2x the CPU per chain-gradient at the UCI shapes), a smaller
 #: chunk only adds calls (docs/benchmarks/chees.md, "chunk_size and glibc's 32 MB ceiling").
 AUTO_CHUNK_BYTES = 16 * 2**20
 
@@ -19,7 +19,7 @@ AUTO_CHUNK_BYTES = 16 * 2**20
 def auto_chunk_size(num_data: int, width: int, itemsize: int = 4, budget: int = AUTO_CHUNK_BYTES) -> int:
     """Rows of ``theta`` per call on CPU: the power of two nearest (in log scale) the rows whose
     ``[num_data, rows, width]`` activations of ``itemsize``-byte numbers take ``budget`` bytes, so
-    at most sqrt(2) x ``budget`` (22.6 MB, under glibc's ceiling); at least 1."""
+    at most sqrt(2) x ``budget`` (22.6 MiB, under glibc's 32 MiB ceiling); at least 1."""
     rows = max(1.0, budget / max(1, num_data * width * itemsize))
     return 2 ** round(math.log2(rows))
 
