@@ -107,15 +107,18 @@ def kinetic_energies(trace: SamplerTrace) -> np.ndarray:
 
 
 # ------------------------------------------------------------------ 1. exact posteriors (BLR)
-# 32 chains x (300 warm-up + 200 draws), ~1 CPU s here, with each way of estimating the mass
-# matrix.  The certification (function-space R-hat < 1.01, ESS >= 400, no divergences, E-BFMI >=
-# 0.2) passed for 9 of seeds 0-9 with each (measured: cross-chain failed seed 5, within-chain seed
-# 8, per-chain none; each failure a function-space R-hat of 1.010-1.011 at 1 of 50 points); the
-# mean was within 2.6 Monte Carlo standard errors of the exact one in all 30 runs.
+# 32 chains x (300 warm-up + 300 draws), ~1.5 CPU s here, with each way of estimating the mass
+# matrix.  With 200 draws the certification (REFERENCE_CRITERIA) failed about one run in ten by a
+# hair, function-space R-hat 1.0100-1.0104 at 1 of 50 points: seeds 0-9 x the three mass matrices,
+# 26 of 30 certified with the kernel of 2026-11-29 (whose rounding moved seed 0 among the failures),
+# 28 of 30 with the one before.  With 300 draws 29 of 30, the one failure an outlier chain flagged
+# at alpha = 0.01 (the rate those tests are designed to have); with 400 also 29 of 30 (the same
+# kind).  The mean was within 2.6 Monte Carlo standard errors of the exact one in all 30 runs at
+# 200 draws.  Command: python comparisons/benchmarks/blr_certification_rate.py --num-samples 200 300 400
 @pytest.mark.parametrize("mass_matrix", ["cross-chain", "within-chain", "per-chain"])
 def test_blr_exact_posterior(blr, mass_matrix):
     posterior = pyrobdl.fit(blr_model(), blr.x_train, blr.y_train, method="chees", num_chains=32, num_warmup=300,
-                            num_samples=200, seed=0, progress=False,
+                            num_samples=300, seed=0, progress=False,
                             mass_matrix=mass_matrix)  # certified: no warning (filterwarnings=error)
     assert posterior.settings["mass_matrix"] == mass_matrix
     assert posterior.certification.passed, posterior.certification.failures
@@ -125,7 +128,7 @@ def test_blr_exact_posterior(blr, mass_matrix):
     # the adapted trajectory length approaches the optimum of ChEES for a (whitened) Gaussian
     assert JITTERED_GAUSSIAN_OPTIMUM / T_FACTOR < d["trajectory_length"] < JITTERED_GAUSSIAN_OPTIMUM * T_FACTOR
     # a 4-d Gaussian posterior: every momentum's kinetic energy is chi^2_4 / 2 (mean and variance
-    # 2) whatever the mass matrix, independently in each of the 32 x 499 iterations
+    # 2) whatever the mass matrix, independently in each of the 32 x 599 iterations
     kinetic = kinetic_energies(posterior.trace).ravel()
     # a sum of squares, up to float32 rounding of energies up to 1.8e4 at the prior-draw start (ulp 2e-3)
     assert kinetic.min() >= -1e-2

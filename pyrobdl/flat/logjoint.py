@@ -114,6 +114,10 @@ class FlatLogJoint:
         for sl, prec, _ in self._prior:
             self._prior_prec[sl.start : sl.stop] = prec
         self._prior_const = sum(const for _, _, const in self._prior)
+        self._neg_prior_prec = -self._prior_prec
+        #: a Gaussian likelihood of fixed precision: its normaliser per data point (kernel.py adds B of them)
+        self._lik_const_point = (0.5 * model.out_features * (math.log(self._tau) - _LOG_2PI)
+                                 if self.task != "classification" and not self._learned else 0.0)
         self._compiled: Any = None
         #: relu into one output unit: the output weight's gradient from layer 0's GEMM (below);
         #: False computes it by its own product (same numbers up to rounding; for tests and timing)
@@ -329,7 +333,7 @@ class FlatLogJoint:
         """
         if not self.has_prior:
             raise ValueError("this FlatLogJoint was built with prior=False: it has no log prior")
-        grad = theta * -self._prior_prec  # d/dtheta of the Gaussian prior
+        grad = theta * self._neg_prior_prec  # d/dtheta of the Gaussian prior
         logp = (theta * grad).sum(-1).mul_(0.5).add_(self._prior_const)
         if self._learned:
             value, grad[:, self._prec_slice.start] = self.precision_log_prior(theta)

@@ -1,0 +1,96 @@
+r"""The flat log joint's kernel of an earlier commit against this checkout's, per call, interleaved.
+
+``pyrobdl/flat/kernel.py`` at ``OLD_REV`` (read with ``git show``, loaded as a module beside the
+package) and the checkout's own run on the same :class:`~pyrobdl.flat.FlatLogJoint` objects —
+the quickstart's shapes (gap: 80 x 1, 1 x 10 tanh; blr: 100 x 3, no hidden layer), wine's
+reference shape (1,439 x 11, 1 x 50 tanh) and a two-layer net (200 x 4, 2 x 20 tanh) — at K = 1
+(Pyro's NUTS/HMC, an SVI step with one particle) and K = 64 (chees).  Each pair is first checked
+to agree (value within float32 rounding of a log joint of its size, gradient relative to its
+largest entry), then timed in ``--rounds`` rounds of alternating order, medians of process CPU
+microseconds per call, one torch thread.  The old kernel must read the same ``FlatLogJoint``
+attributes as the new one (true from 64603af on).
+
+    python comparisons/benchmarks/flat_kernel_pair.py OLD_REV [--rounds 7] [--shapes gap,blr,wine,2x20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+import pyrobdl
+import pyrobdl.flat.logjoint as _logjoint
+from pyrobdl.flat import FlatLogJoint
+
+SHAPES = {"gap": (80, 1, (10,)), "blr": (100, 3, ()), "wine": (1439, 11, (50,)), "2x20": (200, 4, (20, 20))}
+
+
+def old_kernel(rev: str):
+    root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True,
+                          cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    src = subprocess.run(["git", "show", f"{rev}:pyrobdl/flat/kernel.py"], capture_output=True, text=True, check=True,
+                         cwd=root).stdout
+    path = os.path.join(tempfile.mkdtemp(), "kernel_old.py")
+    with open(path, "w") as fh:
+        fh.write(src)
+    spec = importlib.util.spec_from_file_location("kernel_old", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def log_joint(n: int, d: int, hidden: tuple, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(n, d, generator=g), torch.randn(n, 1, generator=g)
+    model = pyrobdl.BayesianMLP(d, list(hidden), 1, activation="tanh", prior=pyrobdl.priors.Gaussian(1.0),
+                                likelihood=pyrobdl.likelihoods.Gaussian(precision=100.0))
+    return FlatLogJoint(model, x, y, chunk_size="auto"), g
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("old_rev")
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--shapes", default=",".join(SHAPES))
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    kernels = {"old": old_kernel(args.old_rev), "new": _logjoint._kernel}
+    print(f"{'shape':6s} {'K':>3s} {'old us':>9s} {'new us':>9s} {'old/new':>7s}  agreement (value abs, gradient rel)")
+    for name in args.shapes.split(","):
+        n, d, hidden = SHAPES[name]
+        for k in (1, 64):
+            lj, g = log_joint(n, d, hidden)
+            theta = lj.sample_prior(k, generator=g) * 0.3
+            out = {}
+            for lab, mod in kernels.items():
+                _logjoint._kernel = mod
+                out[lab] = lj.value_and_grad(theta)
+            dv = (out["new"][0] - out["old"][0]).abs().max().item()
+            dg = ((out["new"][1] - out["old"][1]).abs().max() / out["old"][1].abs().max()).item()
+            assert dv <= 1e-6 * out["old"][0].abs().max().item() + 1e-3 and dg <= 1e-5, (name, k, dv, dg)
+            calls = max(50, 200_000 // (k * n))
+            times = {lab: [] for lab in kernels}
+            for r in range(args.rounds):
+                for lab in (("old", "new") if r % 2 == 0 else ("new", "old")):
+                    _logjoint._kernel = kernels[lab]
+                    for _ in range(20):
+                        lj.value_and_grad(theta)
+                    c = time.process_time()
+                    for _ in range(calls):
+                        lj.value_and_grad(theta)
+                    times[lab].append((time.process_time() - c) / calls * 1e6)
+            o, nw = statistics.median(times["old"]), statistics.median(times["new"])
+            print(f"{name:6s} {k:3d} {o:9.1f} {nw:9.1f} {o / nw:7.2f}  {dv:.1e}, {dg:.1e}", flush=True)
+    _logjoint._kernel = kernels["new"]
+
+
+if __name__ == "__main__":
+    main()
