@@ -257,7 +257,7 @@ class FlatLogJoint:
             u = theta[:, self._prec_slice.start]
             tau = u.exp()
             return 0.5 * m * (u - _LOG_2PI) - 0.5 * tau * sq, (r, tau, u, m)
-        return 0.5 * m * (math.log(self._tau) - _LOG_2PI) - 0.5 * self._tau * sq, (r, None, None, m)
+        return r.shape[-2] * self._lik_const_point - 0.5 * self._tau * sq, (r, None, None, m)  # one normaliser, as kernel.py's
 
     # ----------------------------------------------------------------------------- fast path
     def value_and_grad(
