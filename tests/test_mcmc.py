@@ -3,6 +3,8 @@ sampler's bookkeeping (gradient counts, seeds), and reference posteriors on disk
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import math
 import re
@@ -20,7 +22,8 @@ import pyrobdl
 from pyrobdl.datasets import bayesian_linear_regression
 from pyrobdl.diagnostics import convergence
 from pyrobdl.inference import MCMCPosterior, load_reference, run_reference
-from pyrobdl.inference.mcmc import _direct_potential, _flat_potential, chain_seeds
+from pyrobdl.inference.mcmc import chain_seeds
+from pyrobdl.inference.mcmc_kernels import _direct_potential, _flat_potential
 
 PRECISION = 10.0
 PRIOR_SCALE = 1.0
@@ -460,26 +463,37 @@ def test_direct_and_flat_potentials_equal_pyros_traced_potential(kind, likelihoo
             torch.testing.assert_close(u, v)
 
 
-@pytest.mark.parametrize("kind", ["direct", "flat"])
-def test_direct_flat_and_traced_potentials_give_the_same_chain(kind):
+@pytest.mark.parametrize("kind,method,likelihood", [("direct", "nuts", "fixed"), ("flat", "nuts", "fixed"),
+                                                    ("flat", "nuts", "learned"), ("flat", "hmc", "learned")])
+def test_direct_flat_and_traced_potentials_give_the_same_chain(kind, method, likelihood):
     # The direct potential does Pyro's float32 arithmetic in Pyro's order; the flat one sums in its
     # own order, and NUTS amplifies float32 rounding over iterations (1e-4 after 18 here), so
-    # the flat chain is compared in float64, where the same chain agrees to ~1e-12.
+    # the flat chain is compared in float64, where the same chain agrees to ~1e-12.  The flat
+    # potential runs Pyro's sampler on one site (the sites packed in Pyro's order): the same
+    # momentum draws, mass matrix and tree, so the same chain, a positive site (the learned
+    # precision, through exp) included.
     if kind == "flat":
         torch.set_default_dtype(torch.float64)
     try:
         x, y = small_data()
-        kw = dict(method="nuts", num_chains=1, max_tree_depth=4, **TINY)
-        with uncertified(), depth_saturated():
-            a = pyrobdl.fit(small_mlp(), x, y, potential="trace", **kw)
-        with uncertified(), depth_saturated():
-            b = pyrobdl.fit(small_mlp(), x, y, potential=kind, **kw)
+        steps = dict(max_tree_depth=4) if method == "nuts" else dict(num_steps=3)
+        kw = dict(method=method, num_chains=1, **steps, **TINY)
+        lik = (lambda: pyrobdl.likelihoods.GaussianLearnedPrecision(3.0, 2.0)) if likelihood == "learned" else lambda: None
+        saturated = depth_saturated if method == "nuts" else contextlib.nullcontext
+        with uncertified(), saturated():
+            a = pyrobdl.fit(small_mlp(lik()), x, y, potential="trace", **kw)
+        with uncertified(), saturated():
+            b = pyrobdl.fit(small_mlp(lik()), x, y, potential=kind, **kw)
     finally:
         torch.set_default_dtype(torch.float32)
     tol = dict(atol=1e-5, rtol=1e-4) if kind == "direct" else dict(atol=1e-9, rtol=1e-9)
+    assert set(a.samples) == set(b.samples) and len(a.samples) == (5 if likelihood == "learned" else 4)
     for k in a.samples:
         assert a.samples[k].dtype == (torch.float32 if kind == "direct" else torch.float64)
+        assert a.samples[k].shape == b.samples[k].shape
         torch.testing.assert_close(a.samples[k], b.samples[k], **tol)
+    # the chain moved (a stuck chain would agree trivially)
+    assert max(float(v.std(1).max()) for v in b.samples.values()) > 0
 
 
 def test_jit_compile_traces_once_and_follows_the_same_chain(monkeypatch):

@@ -2,7 +2,10 @@
 # The README's main job (quickstart compare + report) of an earlier commit and of this checkout,
 # one after the other, REPS times: CPU seconds of each command and inside each fit (issue 41, req. 4).
 #
-#   bash comparisons/benchmarks/quickstart_pair.sh OLD_REV [REPS]      # e.g. d115d86 3
+#   bash comparisons/benchmarks/quickstart_pair.sh OLD_REV [REPS] [ONLY]   # e.g. d115d86 3
+#
+# ONLY (optional) is passed to `pyrobdl compare --only`, e.g. `method=nuts` (the cells of one method,
+# and the reference cells they need); then the report is skipped.
 #
 # The old commit runs from a temporary git worktree (removed at the end), the new one from this
 # checkout; results go to temporary folders.  Needs the package's environment active and the data
@@ -11,6 +14,7 @@
 set -euo pipefail
 old_rev=${1:?usage: quickstart_pair.sh OLD_REV [REPS]}
 reps=${2:-2}
+only=${3:-}
 here=$(cd "$(dirname "$0")/../.." && pwd)
 tmp=$(mktemp -d)
 trap 'git -C "$here" worktree remove --force "$tmp/old" >/dev/null 2>&1 || true; rm -rf "$tmp"' EXIT
@@ -21,9 +25,11 @@ for rep in $(seq "$reps"); do
     out="$tmp/results_${v}_$rep"
     echo "$(date -u +%T) $v ($(git -C "$root" rev-parse --short HEAD)) pair $rep, load $(cut -d' ' -f1-3 /proc/loadavg)"
     (cd "$root" && PYTHONPATH="$root" /usr/bin/time -f "  compare: %U user %S sys %e wall" \
-        pyrobdl compare comparisons/quickstart.toml --no-progress --out "$out" > /dev/null) 2>&1 | tail -1
-    (cd "$root" && PYTHONPATH="$root" /usr/bin/time -f "  report: %U user %S sys %e wall" \
-        pyrobdl report "$out" > /dev/null) 2>&1 | tail -1
+        pyrobdl compare comparisons/quickstart.toml --no-progress --out "$out" ${only:+--only "$only"} > /dev/null) 2>&1 | tail -1
+    if [ -z "$only" ]; then
+      (cd "$root" && PYTHONPATH="$root" /usr/bin/time -f "  report: %U user %S sys %e wall" \
+          pyrobdl report "$out" > /dev/null) 2>&1 | tail -1
+    fi
     python - "$out" <<'PY'
 import glob, json, sys
 rows, total = [], 0.0

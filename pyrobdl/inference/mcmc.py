@@ -44,7 +44,7 @@ from .mcmc_kernels import (
     _check_options,
     _Counted,
     _direct_potential,
-    _flat_potential,
+    _FlatSite,
     _HMC,
     _resolve_potential,
     _NUTS,
@@ -214,12 +214,11 @@ def run_mcmc(
     _, traced, transforms, _ = initialize_model(
         model, (x, y), jit_compile=jit, skip_jit_warnings=True, init_strategy=init_to_sample
     )
+    flat = _FlatSite(model, x, y) if options["potential"] == "flat" else None
     if options["potential"] == "direct":
         potential = _direct_potential(model, x, y, transforms)
-    elif options["potential"] == "flat":
-        potential = _flat_potential(model, x, y)
     else:
-        potential = traced
+        potential = traced if flat is None else flat.potential
     map_grads, members = 0, None
     if options["init_strategy"] == "ensemble":
         # one batched deep ensemble (docs/methods/ensemble.md), one member per chain
@@ -233,7 +232,7 @@ def run_mcmc(
         member = None if members is None else {k: v[chain] for k, v in members.items()}
         strategy, grads = _init_strategy(model, x, y, options, seed, member)
         map_grads += grads
-        chains.append(_run_chain(model, x, y, method, (potential, transforms), strategy, options, progress, chain))
+        chains.append(_run_chain(model, x, y, method, (potential, transforms, flat), strategy, options, progress, chain))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     clock = (time.perf_counter() - start, time.process_time() - cpu_start)
@@ -279,13 +278,16 @@ def _run_chain(model: Any, x: torch.Tensor, y: torch.Tensor, method: str, potent
                strategy: Callable, options: Mapping[str, Any], progress: bool,
                chain: int) -> tuple[dict, list, float, int]:
     """One chain of ``method`` from ``strategy``'s starting point; ``potential``: the potential and
-    the sites' transforms.  Returns its draws ``[1, draws, ...]`` per site, its per-iteration rows,
+    the sites' transforms and the :class:`_FlatSite` the potential is of (None: a function of the
+    model's sites).  Returns its draws ``[1, draws, ...]`` per site, its per-iteration rows,
     the fraction of sampling iterations that moved, and its potential evaluations outside the
     leapfrog steps (step-size searches, initialisation); ``chain`` (0-based) names its progress bar."""
-    potential, transforms = potential
+    potential, transforms, flat = potential
     init, plain, _, _ = initialize_model(model, (x, y), init_strategy=strategy)
     if options["potential"] != "trace":
-        _check_direct(potential, plain, init, options["potential"])
+        _check_direct(potential if flat is None else flat.site_potential, plain, init, options["potential"])
+    if flat is not None:  # Pyro's sampler moves the one flat site (unconstrained: no transforms)
+        init, site_transforms, transforms = flat.pack(init), transforms, {}
     counter = _Counted(potential)
     kernel = _make_kernel(method, counter, transforms, options)
     kernel._start_recording(counter)
@@ -298,7 +300,10 @@ def _run_chain(model: Any, x: torch.Tensor, y: torch.Tensor, method: str, potent
     finally:
         if bar is not None:
             bar.close()
-    return (mcmc.get_samples(group_by_chain=True), kernel.rows, kernel.moved / options["num_samples"],
+    samples = mcmc.get_samples(group_by_chain=True)
+    if flat is not None:
+        samples = flat.unpack(samples[flat.NAME], site_transforms)
+    return (samples, kernel.rows, kernel.moved / options["num_samples"],
             counter.calls - sum(r[1] for r in kernel.rows))
 
 
