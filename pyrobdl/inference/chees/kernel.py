@@ -30,18 +30,22 @@ class _Sampler:
 
     def leapfrog(self, theta: torch.Tensor, p: torch.Tensor, grad: torch.Tensor, step: float | torch.Tensor, n: int):
         """``n`` leapfrog steps of every chain; ``step`` a number, or ``[K, 1]``: each chain's own."""
-        theta, p = theta.clone(), p + (0.5 * step) * grad
-        scaled = step * self.inv_mass
-        logp = grad = None
-        per_row = isinstance(step, torch.Tensor)
-        half = 0.5 * step
-        for i in range(n):
-            theta.addcmul_(scaled, p)
-            logp, grad = self.lj.value_and_grad(theta)
-            if per_row:
-                p.addcmul_(grad, step if i < n - 1 else half)
-            else:
-                p.add_(grad, alpha=step if i < n - 1 else half)
+        # inference mode: no autograd bookkeeping (version counters, view tracking) on the ~60 small
+        # ops of each step (1.13x less CPU per K = 64 call on gap, 1.21x at K = 1); the tensors it
+        # returns are read, never written in place, outside it
+        with torch.inference_mode():
+            theta, p = theta.clone(), p + (0.5 * step) * grad
+            scaled = step * self.inv_mass
+            logp = grad = None
+            per_row = isinstance(step, torch.Tensor)
+            half = 0.5 * step
+            for i in range(n):
+                theta.addcmul_(scaled, p)
+                logp, grad = self.lj.value_and_grad(theta)
+                if per_row:
+                    p.addcmul_(grad, step if i < n - 1 else half)
+                else:
+                    p.add_(grad, alpha=step if i < n - 1 else half)
         self.gradients += n * theta.shape[0]
         return theta, p, logp, grad
 
