@@ -158,9 +158,10 @@ def train_members(
     batch = settings.effective_batch(lj.num_data)
 
     def step_fn(idx: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        with torch.no_grad():
+        with torch.inference_mode():  # no autograd bookkeeping; the gradient is only read outside it
             value, grad = lj.value_and_grad(param.detach(), idx, prior=prior)
-        param.grad = grad.neg_()
+            grad = grad.neg_()
+        param.grad = grad
         return -value.sum(), value  # the loss minimised (all members at once), each member's objective
 
     result = optimize(step_fn, [param], PackedAdam([param], settings.lr), settings,

@@ -227,7 +227,10 @@ class FlatELBO(torch.nn.Module):
             layer in order) and ``"preactivations"`` (mean field and variational dropout with
             local reparameterization, one ``[S, B, out]`` per layer).
         """
-        loss, grads = self._loss_and_grads(x, y, subsample, noise)
+        # inference mode: no autograd bookkeeping on the step's small ops (the SVI loop's own
+        # path; forward() keeps autograd's); the gradients are only read outside it
+        with torch.inference_mode():
+            loss, grads = self._loss_and_grads(x, y, subsample, noise)
         for v, g in zip(self._vectors(), grads):
             v.grad = g
         return loss

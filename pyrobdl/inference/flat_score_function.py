@@ -177,7 +177,8 @@ class FlatScoreFunctionELBO(DirectScoreFunctionELBO):
         noise : torch.Tensor, optional
             The standard normals ``[P, D]`` of the step (default: :meth:`draw`).
         """
-        loss, (grad,) = self._loss_and_grads(x, y, subsample, noise)
+        with torch.inference_mode():  # as FlatELBO.loss_and_grad: the gradient is only read outside it
+            loss, (grad,) = self._loss_and_grads(x, y, subsample, noise)
         self._vector.grad = grad
         return loss
 
