@@ -36,13 +36,13 @@ def value_and_grad(
     lik_const = scale * b * lj._lik_const_point if fixed else 0.0  # its normaliser, added with the prior's
     if prior:
         grad = theta * lj._neg_prior_prec  # d/dtheta of the Gaussian prior
-        logp = torch.linalg.vecdot(theta, grad).mul_(0.5).add_(lj._prior_const + lik_const)
+        logp = torch.mv(theta.square(), lj._half_neg_prior_prec).add_(lj._prior_const + lik_const)
     else:
         grad = torch.zeros_like(theta)
         logp = theta.new_full((k,), lik_const)
     layers = lj._weights(theta)
     last = lj._num_layers - 1
-    w0aug, zs, f = _forward(x1, layers, last, tanh, per_row, k, b)
+    w0aug, zs, f = _forward(x1, layers, last, tanh, per_row, k, b, lj._zero)
     if fixed:  # the likelihood's constant is in logp already: one pass less over [K]
         r = y - f
         aux = (r, None, None, None)
@@ -56,8 +56,10 @@ def value_and_grad(
     # S = x1^T (g masked by 1[a0 > 0]) is the GEMM layer 0's gradient computes anyway: one
     # pass over the [B, K, H] activations less (they are read from memory, not cache)
     homogeneous = lj._fold_output_grad and not tanh and last == 1 and layers[1][0].shape[1] == 1
-    g, factor, alpha = _backward_hidden(lj, gf, zs, layers, grad, last, tanh, homogeneous, functional, k, b)
-    _backward_layer0(lj, g, x1, w0aug, factor, alpha, grad, last, homogeneous, per_row, k, b)
+    pieces: dict[str, torch.Tensor] = {}  # each layer site's likelihood gradient, added to grad at the end
+    g, factor, alpha = _backward_hidden(lj, gf, zs, layers, pieces, last, tanh, homogeneous, functional, k, b)
+    _backward_layer0(lj, g, x1, w0aug, factor, alpha, pieces, last, homogeneous, per_row, k, b)
+    _add_pieces(lj, grad, pieces, k)
     return logp, grad
 
 
@@ -69,24 +71,39 @@ def batch(lj: Any, idx: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor
     return lj._x1[idx], lj.y[idx], lj.num_data / idx.shape[-1]
 
 
-def _scaled_mm(m1: torch.Tensor, m2: torch.Tensor, alpha: float) -> torch.Tensor:
+def _scaled_mm(m1: torch.Tensor, m2: torch.Tensor, alpha: float, zero: torch.Tensor) -> torch.Tensor:
     """``alpha * (m1 @ m2)`` (2-D or batched 3-D), the scale applied inside the product: with beta = 0
     the zero input is ignored, and the product's output is not read and written a second time."""
     if alpha == 1.0:
         return torch.mm(m1, m2) if m1.dim() == 2 else torch.bmm(m1, m2)
     fn = torch.addmm if m1.dim() == 2 else torch.baddbmm
-    return fn(m1.new_zeros(()), m1, m2, beta=0.0, alpha=alpha)
+    return fn(zero, m1, m2, beta=0.0, alpha=alpha)
 
 
-def _forward(x1, layers, last, tanh, per_row, k, b):
-    """Layer 0's augmented weights ``[K, H, in+1]``, the hidden activations and the outputs ``[K, B, O]``."""
+def _add_pieces(lj: Any, grad: torch.Tensor, pieces: dict[str, torch.Tensor], k: int) -> None:
+    """Add the layer sites' gradients ``pieces`` into ``grad`` ``[K, P]``: concatenated in layout order
+    and added as one block when the layer sites are the layout's first columns (they are for every
+    model pyrobdl builds), else site by site."""
+    parts = [(name, pieces[name] if pieces[name].dim() == 2 else pieces[name].reshape(k, -1)) for name in lj._layer_sites]
+    if lj._layer_stop is None:
+        for name, part in parts:
+            sl = lj.layout[name]
+            grad[:, sl.start : sl.stop].add_(part)
+        return
+    block = parts[0][1] if len(parts) == 1 else torch.cat([part for _, part in parts], 1)
+    (grad if lj._layer_stop == grad.shape[1] else grad[:, : lj._layer_stop]).add_(block)
+
+
+def _forward(x1, layers, last, tanh, per_row, k, b, zero):
+    """Layer 0's augmented weights ``[K, H, in+1]``, the hidden activations and the outputs ``[K, B, O]``;
+    ``zero``: a 0-d zero tensor (the ignored input of a product with beta = 0)."""
     w0, b0 = layers[0]
     c0 = 2.0 if tanh and last > 0 else 1.0  # sigmoid(2 a) of the first hidden layer
     w0aug = torch.cat([w0, b0.unsqueeze(-1)], -1)  # [K, H, in+1]
     if per_row:
-        a0 = _scaled_mm(x1, w0aug.transpose(1, 2), c0).transpose(0, 1)  # [B, K, H]
+        a0 = _scaled_mm(x1, w0aug.transpose(1, 2), c0, zero).transpose(0, 1)  # [B, K, H]
     else:
-        a0 = _scaled_mm(x1, w0aug.reshape(-1, x1.shape[1]).t(), c0).view(b, k, -1)  # [B, K, H]
+        a0 = _scaled_mm(x1, w0aug.reshape(-1, x1.shape[1]).t(), c0, zero).view(b, k, -1)  # [B, K, H]
     zs = []  # per hidden layer: relu(a) or sigmoid(2a), [B, K, H] (possibly strided)
     a = a0
     for j in range(1, last + 1):
@@ -131,30 +148,29 @@ def _output_grad(lj, f, y, theta, aux, grad, logp, scale, prior, per_row, k, b):
     return gf
 
 
-def _backward_hidden(lj, gf, zs, layers, grad, last, tanh, homogeneous, functional, k, b):
-    """Backward through layers last .. 1 into ``grad``; ``g = dlogp/da_0`` (up to a factor), and the
-    factor (a tensor or None) and scalar ``alpha`` that layer 0's gradient applies after its GEMM."""
+def _backward_hidden(lj, gf, zs, layers, pieces, last, tanh, homogeneous, functional, k, b):
+    """Backward through layers last .. 1, their sites' gradients into ``pieces``; ``g = dlogp/da_0`` (up
+    to a factor), and the factor (a tensor or None) and scalar ``alpha`` layer 0's gradient applies
+    after its GEMM."""
     g = gf  # g = dlogp/da_j, [K, B, Hout]
     factor: torch.Tensor | None = None
     alpha = 1.0
     for j in range(last, 0, -1):
         z = zs[j - 1]
         w, _ = layers[j]
-        wsl = lj.layout[f"layers.{j}.weight"]
         gsum = g.sum(1)  # [K, Hout]
-        if not homogeneous:  # grad += g^T h, [K, Hout, Hin]; tanh: h = 2 s - 1, so 2 g^T s - sum_b g
+        if not homogeneous:  # g^T h, [K, Hout, Hin]; tanh: h = 2 s - 1, so 2 g^T s - sum_b g
             # (one baddbmm into a fresh tensor: into grad's strided view it measured 3x slower)
-            mz = (torch.baddbmm(gsum.unsqueeze(-1), g.transpose(1, 2), z.transpose(0, 1), beta=-1.0, alpha=2.0) if tanh
-                  else torch.bmm(g.transpose(1, 2), z.transpose(0, 1)))
-            grad[:, wsl.start : wsl.stop].view(k, *wsl.shape).add_(mz)
+            pieces[f"layers.{j}.weight"] = (
+                torch.baddbmm(gsum.unsqueeze(-1), g.transpose(1, 2), z.transpose(0, 1), beta=-1.0, alpha=2.0) if tanh
+                else torch.bmm(g.transpose(1, 2), z.transpose(0, 1)))
         if f"layers.{j}.bias" in lj.layout:
-            bsl = lj.layout[f"layers.{j}.bias"]
-            grad[:, bsl.start : bsl.stop].add_(gsum)
+            pieces[f"layers.{j}.bias"] = gsum
         if j == 1 and w.shape[1] == 1:
             # dlogp/da0[b,k,h] = g[k,b] w[k,h] act'(a0)[b,k,h]: w is applied after the GEMM
             # (tanh: the 4 of tanh' in the same pass as the copy into [B, K, 1])
             gb = (g.permute(1, 0, 2).mul(4.0) if tanh else g.permute(1, 0, 2).contiguous()).expand(b, k, z.shape[-1])
-            factor = w[:, 0, :].unsqueeze(-1)
+            factor = w.transpose(1, 2)  # [K, H, 1]
         else:
             gb = torch.bmm(g, w).transpose(0, 1)  # [B, K, Hin], z's layout
         if tanh:  # tanh'(a) = 4 s (1 - s)
@@ -175,22 +191,19 @@ def _backward_hidden(lj, gf, zs, layers, grad, last, tanh, homogeneous, function
     return g, factor, alpha
 
 
-def _backward_layer0(lj, g, x1, w0aug, factor, alpha, grad, last, homogeneous, per_row, k, b):
-    """Layer 0: one GEMM ``[in+1, B] @ [B, K*H0]``, added into ``grad``."""
+def _backward_layer0(lj, g, x1, w0aug, factor, alpha, pieces, last, homogeneous, per_row, k, b):
+    """Layer 0: one GEMM ``[in+1, B] @ [B, K*H0]``, its sites' gradients into ``pieces``."""
     if last == 0:
         g = g.transpose(0, 1)  # [B, K, O]
     h0 = g.shape[-1]
     if per_row:
-        r0 = _scaled_mm(g.transpose(0, 1).transpose(1, 2), x1, alpha)  # [K, H0, in+1]
+        r0 = _scaled_mm(g.transpose(0, 1).transpose(1, 2), x1, alpha, lj._zero)  # [K, H0, in+1]
     else:
-        r0 = _scaled_mm(x1.t(), g.reshape(b, k * h0), alpha).view(x1.shape[1], k, h0).permute(1, 2, 0)  # [K, H0, in+1]
+        r0 = _scaled_mm(x1.t(), g.reshape(b, k * h0), alpha, lj._zero).view(x1.shape[1], k, h0).permute(1, 2, 0)  # [K, H0, in+1]
     if homogeneous:  # the output weight's gradient from S = r0 before the factor w (above)
-        wsl = lj.layout["layers.1.weight"]
-        grad[:, wsl.start : wsl.stop].add_((r0 * w0aug).sum(-1))
+        pieces["layers.1.weight"] = (r0 * w0aug).sum(-1)
     if factor is not None:
         r0 = r0 * factor
-    wsl = lj.layout["layers.0.weight"]
-    grad[:, wsl.start : wsl.stop].view(k, *wsl.shape).add_(r0[..., :-1])
+    pieces["layers.0.weight"] = r0[..., :-1]
     if "layers.0.bias" in lj.layout:
-        bsl = lj.layout["layers.0.bias"]
-        grad[:, bsl.start : bsl.stop].add_(r0[..., -1])
+        pieces["layers.0.bias"] = r0[..., -1]

@@ -115,6 +115,15 @@ class FlatLogJoint:
             self._prior_prec[sl.start : sl.stop] = prec
         self._prior_const = sum(const for _, _, const in self._prior)
         self._neg_prior_prec = -self._prior_prec
+        self._half_neg_prior_prec = 0.5 * self._neg_prior_prec  # the prior's quadratic form as one mv
+        self._zero = x.new_zeros(())  # the ignored input of a product with beta = 0
+        # the sites the kernel's backward pass gives gradients to (the layers'), in layout order; when
+        # they are the layout's first columns, their gradients are added as one concatenated block
+        self._layer_sites = [s.name for s in self.layout.sites if s.name.startswith("layers.")]
+        stop = sum(self.layout[n].size for n in self._layer_sites)
+        prefix = all(self.layout[n].stop <= stop for n in self._layer_sites)
+        self._layer_stop = stop if prefix else None
+        self._split_sizes = [s.size for s in self.layout.sites]
         #: a Gaussian likelihood of fixed precision: its normaliser per data point (kernel.py adds B of them)
         self._lik_const_point = (0.5 * model.out_features * (math.log(self._tau) - _LOG_2PI)
                                  if self.task != "classification" and not self._learned else 0.0)
@@ -180,15 +189,14 @@ class FlatLogJoint:
     def _weights(self, theta: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (weight ``[K, out, in]``, bias ``[K, out]``); zeros for a model without biases."""
         k = theta.shape[0]
+        # one split (one dispatch) instead of a slice per site
+        parts = dict(zip((s.name for s in self.layout.sites), theta.split_with_sizes(self._split_sizes, 1)))
         out = []
         for i in range(self._num_layers):
             w = self.layout[f"layers.{i}.weight"]
-            weight = theta[:, w.start : w.stop].view(k, *w.shape)
-            if f"layers.{i}.bias" in self.layout:
-                b = self.layout[f"layers.{i}.bias"]
-                out.append((weight, theta[:, b.start : b.stop]))
-            else:
-                out.append((weight, theta.new_zeros(k, w.shape[0])))
+            weight = parts[w.name].view(k, *w.shape)
+            bias = parts.get(f"layers.{i}.bias")
+            out.append((weight, theta.new_zeros(k, w.shape[0]) if bias is None else bias))
         return out
 
     def _data(self, idx: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -315,7 +323,7 @@ class FlatLogJoint:
         x1, y, scale = _kernel.batch(self, idx)
         k = theta.shape[0]
         _, _, f = _kernel._forward(x1, self._weights(theta), self._num_layers - 1, self._act == "tanh",
-                                   x1.dim() == 3, k, x1.shape[-2])
+                                   x1.dim() == 3, k, x1.shape[-2], self._zero)
         ll, _ = self._log_lik(f, y, theta)
         return ll if scale == 1.0 else ll.mul_(scale)
 
