@@ -172,8 +172,9 @@ class FlatLogJoint:
                        self.layout.size, self._fold_output_grad)
                 entry = _compiled_entry(lambda theta: self._value_and_grad(theta, None, True, functional=True), key)
                 fn = torch.compile(entry, dynamic=False)
-                for k in sorted(sizes):
-                    fn(torch.zeros(k, self.size, dtype=self.dtype, device=self.device))  # shapes matter, not values
+                with torch.inference_mode():  # the mode every call runs it in (_vg): one graph, no recompiling
+                    for k in sorted(sizes):
+                        fn(torch.zeros(k, self.size, dtype=self.dtype, device=self.device))  # shapes matter, not values
         except Exception as err:  # torch's compiler raises many types (BackendCompilerFailed, ...)
             raise RuntimeError(f"torch.compile of the flat log joint failed on this machine ({type(err).__name__}: "
                                f"{str(err)[:300]}); run without compiling (compile=False)") from err
@@ -308,7 +309,11 @@ class FlatLogJoint:
 
     def _vg(self, theta: torch.Tensor, idx: torch.Tensor | None, prior: bool) -> tuple[torch.Tensor, torch.Tensor]:
         if self._compiled is not None and idx is None and prior:
-            return self._compiled(theta)
+            # always in inference mode and on an inference tensor, as compiled: torch.compile guards on
+            # the grad mode and on theta's dispatch keys, and the samplers call the kernel both inside
+            # inference mode (the leapfrog loop) and outside it (a chain's start: one copy)
+            with torch.inference_mode():
+                return self._compiled(theta if theta.is_inference() else theta.clone())
         return self._value_and_grad(theta, idx, prior)
 
     @torch.no_grad()
