@@ -356,9 +356,9 @@ def normal_loss_and_grad(
     else:
         g_loc, g_sigma = g.mean(0), (g * eps).mean(0)
     if preactivations is not None:  # g is zero at the weights: their terms come from the LRT
-        for wsl, _, _, _ in plan.weights:
-            g_loc[wsl] += g_mu[wsl] / s
-            g_sigma[wsl] += (2.0 / s) * sigma[wsl] * g_var[wsl]
+        # (g_mu, g_var are zero outside the weights' coordinates: whole vectors, three ops)
+        g_loc.add_(g_mu, alpha=1.0 / s)
+        g_sigma.add_(sigma * g_var, alpha=2.0 / s)
     weighted = functional or beta != 1.0
     if weighted:
         d_loc.mul_(beta)

@@ -200,13 +200,14 @@ def _lrt_likelihood(
         wsl, out, inp, ssl = plan.weights[i]
         h, h2, half_inv_sd = saved[i]
         gv = (g * noise[i]).mul_(half_inv_sd)  # d/dv, [S, B, out]
+        # (each layer's coordinates are written once, into zeros: a copy, not a read-add-write)
         if h.dim() == 2:  # the first layer: the inputs are shared by the particles
-            g_mu[wsl] += (h.t() @ g.sum(0)).t().reshape(-1)
-            g_var[ssl] += (h2.t() @ gv.sum(0)).t().reshape(-1)
+            g_mu[wsl].copy_((h.t() @ g.sum(0)).t().reshape(-1))
+            g_var[ssl].copy_((h2.t() @ gv.sum(0)).t().reshape(-1))
         else:
             # sums over particles and data points as one [out, S*B] @ [S*B, in] product each
-            g_mu[wsl] += (g.reshape(-1, out).t() @ h.reshape(-1, inp)).reshape(-1)
-            g_var[ssl] += (gv.reshape(-1, out).t() @ h2.reshape(-1, inp)).reshape(-1)
+            g_mu[wsl].copy_((g.reshape(-1, out).t() @ h.reshape(-1, inp)).reshape(-1))
+            g_var[ssl].copy_((gv.reshape(-1, out).t() @ h2.reshape(-1, inp)).reshape(-1))
         if plan.biases[i] is not None:
             g_theta[:, plan.biases[i]] = g.sum(1)
         if i > 0:
@@ -344,11 +345,10 @@ def _vd_chain_rule(plan: VDPlan, sc: Mapping[str, Any], G: torch.Tensor, d_sig: 
     sig_s, theta_s, capped = sc["sig_s"], sc["theta_s"], sc["capped"]
     grad_loc = G.mean(0)
     grad_sig = d_sig + (G[:, plan.sparse] * e_s).mean(0)
-    if lrt is not None:
+    if lrt is not None:  # g_mu, g_var are zero outside the weights' coordinates: whole vectors, three ops
         g_mu, g_var = lrt
-        for wsl, _, _, ssl in plan.weights:
-            grad_loc[wsl] -= g_mu[wsl]
-            grad_sig[ssl] -= 2.0 * sig_s[ssl] * g_var[ssl]
+        grad_loc.sub_(g_mu)
+        grad_sig = grad_sig.sub_(sig_s * g_var, alpha=2.0)
     # sigma = exp(log_sigma2 / 2) with log_sigma2 the capped value (Kingma)
     d_ls = 0.5 * sig_s * grad_sig  # d(loss)/d(effective log sigma^2)
     grad_theta_s = grad_loc[plan.sparse]
