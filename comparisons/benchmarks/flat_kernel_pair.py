@@ -21,13 +21,14 @@ import os
 import statistics
 import subprocess
 import tempfile
-import time
 
 import torch
 
 import pyrobdl
 import pyrobdl.flat.logjoint as _logjoint
 from pyrobdl.flat import FlatLogJoint
+
+from _percall import cpu_us_per_call  # noqa: E402 (run as a script: its folder is on sys.path)
 
 SHAPES = {"gap": (80, 1, (10,)), "blr": (100, 3, ()), "wine": (1439, 11, (50,)), "2x20": (200, 4, (20, 20))}
 
@@ -80,12 +81,7 @@ def main() -> None:
             for r in range(args.rounds):
                 for lab in (("old", "new") if r % 2 == 0 else ("new", "old")):
                     _logjoint._kernel = kernels[lab]
-                    for _ in range(20):
-                        lj.value_and_grad(theta)
-                    c = time.process_time()
-                    for _ in range(calls):
-                        lj.value_and_grad(theta)
-                    times[lab].append((time.process_time() - c) / calls * 1e6)
+                    times[lab].append(cpu_us_per_call(lambda: lj.value_and_grad(theta), calls, 20))
             o, nw = statistics.median(times["old"]), statistics.median(times["new"])
             print(f"{name:6s} {k:3d} {o:9.1f} {nw:9.1f} {o / nw:7.2f}  {dv:.1e}, {dg:.1e}", flush=True)
     _logjoint._kernel = kernels["new"]

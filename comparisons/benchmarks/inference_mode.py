@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
 import pyrobdl
 from pyrobdl.flat import FlatLogJoint
+
+from _percall import cpu_us_per_call  # noqa: E402 (run as a script: its folder is on sys.path)
 
 
 def shapes() -> dict[str, FlatLogJoint]:
@@ -60,12 +61,7 @@ def main() -> None:
                 order = list(modes) if r % 2 == 0 else list(reversed(modes))
                 for mode in order:
                     with modes[mode]():
-                        for _ in range(5):
-                            lj.value_and_grad(theta)
-                        t = time.process_time()
-                        for _ in range(calls):
-                            lj.value_and_grad(theta)
-                        res[mode].append((time.process_time() - t) / calls * 1e6)
+                        res[mode].append(cpu_us_per_call(lambda: lj.value_and_grad(theta), calls, 5))
             old, new = statistics.median(res["no_grad"]), statistics.median(res["inference"])
             print(f"{name:6} {k:4d} {old:11.1f} {new:13.1f} {old / new:6.2f}")
 
