@@ -165,6 +165,11 @@ def _stop(tracked: dict[int, str], grace_s: float = 3.0) -> None:
             time.sleep(0.1)
 
 
+#: What the driver writes to the watcher before closing its pipe on purpose (Ray shut down, or a
+#: failed start): without it, the end of the pipe means the driver died.
+STOP = b"stop\n"
+
+
 def _watch(driver_pid: int, existing: Sequence[int], interval_s: float = 0.5) -> None:
     """The watcher's main loop.  While ``ray.init`` runs, follow the driver's new children (not in
     ``existing``) and their descendants; once the driver writes the head processes' pids (one
@@ -200,12 +205,15 @@ def _watch(driver_pid: int, existing: Sequence[int], interval_s: float = 0.5) ->
         if not data:
             break  # the driver shut its Ray down, or died: the kernel closed its end of the pipe
         line += data
-        if heads is None and b"\n" in line:  # ray.init returned: these are Ray's head processes
+        if heads is None and b"\n" in line and not line.startswith(STOP):  # ray.init returned: Ray's head processes
             heads = [int(pid) for pid in line.split(b"\n", 1)[0].split()]
             tracked = {pid: start for pid in heads if (start := _identity(pid)) is not None}
-    driver_gone = os.getppid() != driver_pid
-    if not driver_gone:
-        adopt()  # a start that failed: its processes are still the driver's children
+    # The driver closes the pipe on purpose only after writing STOP (_stop_watcher); an end of the
+    # pipe without it is the driver's exit.  (The kernel closes a dying process's files before it
+    # re-parents its children, so os.getppid() alone can still name the dying driver here: seen as
+    # two Ray agents left running after a kill -9 of the driver on a loaded core.)
+    driver_gone = STOP not in line or os.getppid() != driver_pid
+    adopt()  # a start that failed (or was cut short): its processes may still be the driver's children
     _follow(tracked)
     if driver_gone:  # (a live driver's own forks may hold its Ray log open: never swept)
         # a process started just before the driver died (an agent the raylet starts) may have been
@@ -302,7 +310,12 @@ class RayExecutor:
 
     def _stop_watcher(self) -> None:
         watcher, self._watcher = self._watcher, None
-        if watcher is not None:  # closing its pipe: it stops what is left of this Ray, then exits
+        if watcher is not None:  # STOP, then closing its pipe: it stops what is left of this Ray, then exits
+            try:
+                watcher.stdin.write(STOP)
+                watcher.stdin.flush()
+            except OSError:  # pragma: no cover - the watcher is gone
+                pass
             watcher.stdin.close()
             try:
                 watcher.wait(30)
