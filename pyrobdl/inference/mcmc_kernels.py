@@ -199,7 +199,7 @@ class _FlatSite:
     Pyro's own order (sorted by name: the order of its diagonal mass matrix, its momentum draws and
     its adaptation), so the chain is the chain Pyro runs on the model's sites, while Pyro's
     integrator, mass matrix and tree update one tensor per step instead of one per site (NUTS on
-    the quickstart's gap network: 1.3x fewer CPU seconds, docs/methods/nuts.md).  Pyro's transform
+    the quickstart's gap network: 1.22-1.29x fewer CPU seconds, docs/methods/mcmc.md).  Pyro's transform
     of a positive site is the exponential, the layout's ``"exp"``.  Refuses a model the flat path
     does not implement (``TypeError``/``ValueError`` from ``FlatLogJoint``) when it is built,
     before any chain runs.
