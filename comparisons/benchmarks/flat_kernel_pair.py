@@ -24,13 +24,9 @@ import tempfile
 
 import torch
 
-import pyrobdl
 import pyrobdl.flat.logjoint as _logjoint
-from pyrobdl.flat import FlatLogJoint
 
-from _percall import cpu_us_per_call  # noqa: E402 (run as a script: its folder is on sys.path)
-
-SHAPES = {"gap": (80, 1, (10,)), "blr": (100, 3, ()), "wine": (1439, 11, (50,)), "2x20": (200, 4, (20, 20))}
+from _percall import SHAPES, cpu_us_per_call, log_joint  # noqa: E402 (run as a script: its folder is on sys.path)
 
 
 def old_kernel(rev: str):
@@ -45,14 +41,6 @@ def old_kernel(rev: str):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
-
-
-def log_joint(n: int, d: int, hidden: tuple, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    x, y = torch.randn(n, d, generator=g), torch.randn(n, 1, generator=g)
-    model = pyrobdl.BayesianMLP(d, list(hidden), 1, activation="tanh", prior=pyrobdl.priors.Gaussian(1.0),
-                                likelihood=pyrobdl.likelihoods.Gaussian(precision=100.0))
-    return FlatLogJoint(model, x, y, chunk_size="auto"), g
 
 
 def main() -> None:

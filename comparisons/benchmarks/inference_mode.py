@@ -18,23 +18,8 @@ import statistics
 
 import torch
 
-import pyrobdl
-from pyrobdl.flat import FlatLogJoint
 
-from _percall import cpu_us_per_call  # noqa: E402 (run as a script: its folder is on sys.path)
-
-
-def shapes() -> dict[str, FlatLogJoint]:
-    g = torch.Generator().manual_seed(0)
-    out = {}
-    for name, (n, d, hidden, tau) in {"gap": (80, 1, (10,), 100.0), "blr": (100, 3, (), 10.0),
-                                      "wine": (1439, 11, (50,), 4.0)}.items():
-        x = torch.randn(n, d, generator=g)
-        y = torch.randn(n, generator=g)
-        model = pyrobdl.BayesianMLP(d, hidden, 1, activation="tanh",
-                                    likelihood=pyrobdl.likelihoods.Gaussian(tau))
-        out[name] = FlatLogJoint(model, x, y)
-    return out
+from _percall import SHAPES, cpu_us_per_call, log_joint  # noqa: E402 (run as a script: its folder is on sys.path)
 
 
 def main() -> None:
@@ -45,7 +30,8 @@ def main() -> None:
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(1)
     print(f"{'shape':6} {'K':>4} {'no_grad us':>11} {'inference us':>13} {'ratio':>6}")
-    for name, lj in shapes().items():
+    for name in ("gap", "blr", "wine"):
+        lj, _ = log_joint(*SHAPES[name])
         for k in (1, 64):
             theta = torch.randn(k, lj.size, generator=g) * 0.5
             modes = {"no_grad": torch.no_grad, "inference": torch.inference_mode}

@@ -30,10 +30,9 @@ class _Sampler:
 
     def leapfrog(self, theta: torch.Tensor, p: torch.Tensor, grad: torch.Tensor, step: float | torch.Tensor, n: int):
         """``n`` leapfrog steps of every chain; ``step`` a number, or ``[K, 1]``: each chain's own."""
-        # inference mode: no autograd bookkeeping (version counters, view tracking) on the ~60 small
+        # inference mode: no autograd bookkeeping (version counters, view tracking) on the ~50 small
         # ops of each step (gap: 1.08x less CPU per K = 64 call, 1.25x at K = 1, comparisons/benchmarks/
-        # inference_mode.py); the tensors it
-        # returns are read, never written in place, outside it
+        # inference_mode.py); the tensors it returns are read, never written in place, outside it
         with torch.inference_mode():
             theta, p = theta.clone(), p + (0.5 * step) * grad
             scaled = step * self.inv_mass
