@@ -45,7 +45,14 @@ def test_plot_rank_ecdf_counts_the_chains_outside(chains):
     for t in titles:  # the offset chain is outside in every panel; few or no others are
         n = int(t.split(": ")[1].split(" of ")[0])
         assert t.endswith(f" of {chains} chains outside") and 1 <= n <= 3, t
+    from matplotlib.collections import LineCollection
+    from matplotlib.colors import to_rgb
+
     ax = fig.axes[0]
-    red = [line for line in ax.lines if line.get_color() == "C3"]
-    grey = [line for line in ax.lines if line.get_color() == "0.35"]
-    assert len(red) + len(grey) == chains and grey[0].get_alpha() <= 8 / 64
+    chain_lines = [c for c in ax.collections if isinstance(c, LineCollection)]  # one per colour
+    red = [c for c in chain_lines if np.allclose(c.get_color()[0][:3], to_rgb("C3"))]
+    grey = [c for c in chain_lines if np.allclose(c.get_color()[0][:3], to_rgb("0.35"))]
+    assert len(red) == len(grey) == 1 and len(chain_lines) == 2
+    assert 1 <= len(red[0].get_segments()) <= 3
+    assert len(red[0].get_segments()) + len(grey[0].get_segments()) == chains
+    assert grey[0].get_alpha() <= 8 / 64

@@ -132,8 +132,10 @@ def quality_vs_cost(records: Sequence[Mapping[str, Any]], dataset: str) -> Figur
                           legend=ax is axes[0])
               for ax, key in zip(axes, ("gradient_evaluations", _cost_key(groups)))]
     _off_scale_strips(axes, lo, hi, pad, len(below), len(above))
-    for names in panels:
-        _spread_labels(fig, names)
+    if any(panels):
+        renderer = _laid_out(fig)  # once for both panels: a label stays inside its own panel's frame
+        for names in panels:
+            _spread_labels(names, renderer)
     unit = METRIC_UNITS.get(metric, "")
     axes[0].set_ylabel(f"{metric}{' (' + unit + ')' if unit else ''}, {'higher' if up else 'lower'} is better")
     note = (f" Off the scale (hollow triangles in the grey strip at the edge, value beside them): {', '.join(clipped)}."
@@ -221,23 +223,30 @@ _LABEL_OFFSETS = ((7, 3), (7, -11), ("left", 3), ("left", -11), (-8, 10), (-8, -
                   ("left2", -38))
 
 
-def _spread_labels(fig: Any, labels: Sequence[Any], gap_px: float = 2.0) -> None:
+def _laid_out(fig: Any) -> Any:
+    """A renderer of ``fig`` after its constrained layout has run, so that extents are final."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    fig.draw_without_rendering()
+    return renderer
+
+
+def _spread_labels(labels: Sequence[Any], renderer: Any, gap_px: float = 2.0) -> None:
     """Place a panel's method labels so that none overlaps another label or any method's marker.
 
     Each label tries the offsets of :data:`_LABEL_OFFSETS` in turn and takes the first whose box
     is clear of the markers (a square of 12 px around each) and of the labels placed before it;
     one placed away from its marker gets a thin leader line.  When every offset collides the
-    label goes up, past the labels it overlaps (it still overlaps no other label).
+    label goes up, past the labels it overlaps (it still overlaps no other label).  ``renderer``
+    comes from :func:`_laid_out` of the labels' figure.
     """
     if not labels:
         return
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.transforms import Bbox
 
-    renderer = FigureCanvasAgg(fig).get_renderer()
-    fig.draw_without_rendering()  # the constrained layout, so that the extents are final
-    px_per_point = fig.dpi / 72.0
     ax = labels[0].axes
+    px_per_point = ax.figure.dpi / 72.0
     frame = ax.get_window_extent(renderer)
     anchors = {id(t): ax.transData.transform(t.xy) for t in labels}
     markers = [Bbox.from_extents(x - 6, y - 6, x + 6, y + 6) for x, y in anchors.values()]
