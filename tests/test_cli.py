@@ -97,6 +97,37 @@ def test_compare_dry_run_then_run_then_report(suite, tmp_path, capsys):
     assert (out / "report.html").exists() and (out / "report.md").exists()
 
 
+def test_compare_report_builds_the_report_in_the_same_process(suite, tmp_path, capsys):
+    out = tmp_path / "o"
+    assert main(["compare", str(suite), "--out", str(out), "--no-progress", "--report"]) == 0
+    text = capsys.readouterr().out
+    assert "1 cell(s) ran ok" in text and f"wrote {out / 'report.html'}" in text
+    html = (out / "report.html").read_text()
+    (out / "report.html").unlink()
+    assert main(["report", str(out)]) == 0  # the same page as `pyrobdl report`, up to its time stamp
+    assert _without_dates((out / "report.html").read_text()) == _without_dates(html)
+
+
+def _without_dates(html: str) -> str:
+    import re
+
+    return re.sub(r"\d{4}-\d\d-\d\d[ T]\d\d:\d\d(:\d\d)?( UTC)?", "DATE", html)
+
+
+def test_compare_report_after_failed_cells_still_reports_and_exits_1(suite, tmp_path, capsys):
+    path = tmp_path / "f.toml"
+    path.write_text(textwrap.dedent(SUITE).replace("num_steps = 10", "num_steps = 10\nlr = -1.0"))
+    out = tmp_path / "o"
+    assert main(["compare", str(path), "--out", str(out), "--no-progress", "--report"]) == EXIT_CODES["cells_failed"]
+    assert "(1 cells, 1 failed)" in capsys.readouterr().out and (out / "report.html").exists()
+
+
+def test_compare_report_with_dry_run_is_a_usage_error(suite, tmp_path, capsys):
+    assert main(["compare", str(suite), "--out", str(tmp_path / "o"), "--dry-run", "--report"]) == EXIT_CODES["usage"]
+    assert "--report needs a run" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
 def test_results_errors_exit_3(suite, tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == EXIT_CODES["results"]
     assert "no results" in capsys.readouterr().err

@@ -572,13 +572,12 @@ def test_quickstart_names_every_registered_method():
 
 @pytest.mark.slow  # over 20 s on a loaded core: the slow run (CI runs it too) keeps the default run under 5 minutes
 def test_quickstart_suite_end_to_end_small(tmp_path):
-    """The README's job (compare + report) on the quickstart suite, CI-sized (< ~30 s)."""
+    """The README's job (``compare --report``) on the quickstart suite, CI-sized (< ~30 s)."""
     from pyrobdl.cli import main
 
     path = small_quickstart(tmp_path)
     out = tmp_path / "results"
-    assert main(["compare", str(path), "--out", str(out), "--no-progress"]) == 0
-    assert main(["report", str(out)]) == 0
+    assert main(["compare", str(path), "--out", str(out), "--no-progress", "--report"]) == 0
     records = [read_result(p) for p in out.glob(f"cells/*/{RESULT_FILE}")]
     suite = load_suite(path)
     assert len(records) == len(expand(suite))

@@ -1,5 +1,6 @@
 #!/bin/bash
-# The README's main job (quickstart compare + report) of an earlier commit and of this checkout,
+# The README's main job (quickstart compare + report, or `compare --report` in one process where the
+# revision has it) of an earlier commit and of this checkout,
 # one after the other, REPS times: CPU seconds of each command and inside each fit (issue 41, req. 4).
 #
 #   bash comparisons/benchmarks/quickstart_pair.sh OLD_REV [REPS] [ONLY]   # e.g. d115d86 3
@@ -24,9 +25,13 @@ for rep in $(seq "$reps"); do
     if [ "$v" = old ]; then root="$tmp/old"; else root="$here"; fi
     out="$tmp/results_${v}_$rep"
     echo "$(date -u +%T) $v ($(git -C "$root" rev-parse --short HEAD)) pair $rep, load $(cut -d' ' -f1-3 /proc/loadavg)"
-    (cd "$root" && PYTHONPATH="$root" /usr/bin/time -f "  compare: %U user %S sys %e wall" \
-        pyrobdl compare comparisons/quickstart.toml --no-progress --out "$out" ${only:+--only "$only"} > /dev/null) 2>&1 | tail -1
-    if [ -z "$only" ]; then
+    # the main job as the revision's README runs it: `compare --report` in one process where it exists
+    report=""
+    if [ -z "$only" ] && grep -q -- '"--report"' "$root/pyrobdl/cli.py"; then report="--report"; fi
+    (cd "$root" && PYTHONPATH="$root" /usr/bin/time -f "  compare${report:+ --report}: %U user %S sys %e wall" \
+        pyrobdl compare comparisons/quickstart.toml --no-progress --out "$out" ${only:+--only "$only"} $report \
+        > /dev/null) 2>&1 | tail -1
+    if [ -z "$only" ] && [ -z "$report" ]; then
       (cd "$root" && PYTHONPATH="$root" /usr/bin/time -f "  report: %U user %S sys %e wall" \
           pyrobdl report "$out" > /dev/null) 2>&1 | tail -1
     fi
