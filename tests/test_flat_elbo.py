@@ -244,13 +244,18 @@ def test_fit_through_the_flat_path_matches_the_distribution_path(method, device)
         assert torch.allclose(m, exact, atol=0.01), (elbo, m, exact)
 
 
-def test_packed_adam_equals_torch_adam(float64):
+@pytest.mark.parametrize("kernel", ["fused", "five operations"])
+def test_packed_adam_equals_torch_adam(float64, kernel):
     from pyrobdl.inference.svi import PackedAdam
 
     g = torch.Generator().manual_seed(0)
     a = torch.randn(37, generator=g)
     b = a.clone()
     ours, theirs = PackedAdam([a], lr=0.05), torch.optim.Adam([b], lr=0.05)
+    if kernel == "fused":
+        assert ours._step is not None  # torch >= 2.4 has the CPU kernel (pyproject's range allows older)
+    else:
+        ours._step = None
     for step in range(200):
         grad = torch.randn(37, generator=g) * (1 + step % 7) + a.detach()
         a.grad, b.grad = grad.clone(), grad.clone()
@@ -259,6 +264,29 @@ def test_packed_adam_equals_torch_adam(float64):
         ours.step()
         theirs.step()
     assert float((a - b).abs().max() / b.abs().max()) < TOL64
+
+
+def test_packed_adam_fused_equals_five_operations_when_a_tensor_has_no_gradient(float64):
+    """Steps where a tensor has no gradient take the five-operation path; the bias corrections
+    count every step either way, so the two kernels stay equal step by step."""
+    from pyrobdl.inference.svi import PackedAdam
+
+    g = torch.Generator().manual_seed(1)
+    start = [torch.randn(5, generator=g), torch.randn(3, 2, generator=g)]
+    fused_params, plain_params = [t.clone() for t in start], [t.clone() for t in start]
+    fused, plain = PackedAdam(fused_params, lr=0.05), PackedAdam(plain_params, lr=0.05)
+    plain._step = None
+    for step in range(30):
+        grads = [torch.randn(t.shape, generator=g) for t in start]
+        for params in (fused_params, plain_params):
+            for p, grad in zip(params, grads):
+                p.grad = None if (step % 4 == 1 and p.dim() == 2) else grad.clone()
+        fused.step()
+        plain.step()
+        for f, q in zip(fused_params, plain_params):
+            assert float((f - q).abs().max()) < TOL64
+    assert fused.t == plain.t == 30 and float(fused._step) == 30
+    assert all(float((f - s).abs().max()) > 0.1 for f, s in zip(fused_params, start))
 
 
 def test_forward_is_differentiable_like_the_other_losses(float64):
