@@ -14,6 +14,7 @@ import pyro.distributions as dist
 import torch
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.runtime import effectful
+from pyro.distributions.util import broadcast_shape  # pure Python: torch.broadcast_shapes imports sympy (0.25 s) on first use
 
 __all__ = ["KLWeightMessenger", "LocalReparameterizationMessenger", "linear"]
 
@@ -120,7 +121,7 @@ class LocalReparameterizationMessenger(Messenger):
             return
         mean, var = moments
         # One independent draw per particle of the weight and per data point.
-        shape = torch.broadcast_shapes(weight.shape[:-2] + mean.shape[-2:], mean.shape)
+        shape = broadcast_shape(weight.shape[:-2] + mean.shape[-2:], mean.shape)
         eps = torch.randn(shape, dtype=mean.dtype, device=mean.device)
         # clamp: sqrt has an infinite gradient at 0 (an all-zero input row after a ReLU).
         msg["value"] = mean + var.clamp_min(1e-30).sqrt() * eps

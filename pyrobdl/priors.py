@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import pyro.distributions as dist
+from pyro.distributions.util import broadcast_shape  # pure Python: torch.broadcast_shapes imports sympy (0.25 s) on first use
 import torch
 
 from ._validation import positive_number as _positive
@@ -264,7 +265,7 @@ class ImproperLogUniform(dist.TorchDistribution):
 
     def log_prob(self, value: torch.Tensor) -> torch.Tensor:
         """:math:`-\\log|w|` elementwise, broadcast to the batch shape."""
-        return (-torch.log(value.abs())).expand(torch.broadcast_shapes(value.shape, self.batch_shape))
+        return (-torch.log(value.abs())).expand(broadcast_shape(value.shape, self.batch_shape))
 
     def sample(self, sample_shape=torch.Size()):  # type: ignore[no-untyped-def]
         placeholder = shape_placeholder(self, sample_shape)
@@ -291,7 +292,7 @@ class ImproperFlat(ImproperLogUniform):
 
     def log_prob(self, value: torch.Tensor) -> torch.Tensor:
         """Zero, broadcast to the batch shape."""
-        return value.new_zeros(()).expand(torch.broadcast_shapes(value.shape, self.batch_shape))
+        return value.new_zeros(()).expand(broadcast_shape(value.shape, self.batch_shape))
 
     def sample(self, sample_shape=torch.Size()):  # type: ignore[no-untyped-def]
         placeholder = shape_placeholder(self, sample_shape)

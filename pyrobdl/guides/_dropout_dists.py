@@ -25,6 +25,7 @@ import math
 import pyro.distributions as dist
 import torch
 from pyro.distributions import constraints
+from pyro.distributions.util import broadcast_shape  # pure Python: torch.broadcast_shapes imports sympy (0.25 s) on first use
 from torch.distributions import register_kl
 
 __all__ = ["BernoulliDropoutRows", "DropoutRows", "GaussianDropoutRows", "gaussian_prior_parts"]
@@ -242,7 +243,7 @@ def _batch_shaped(kl: torch.Tensor, q: DropoutRows, prior: torch.distributions.D
     # a prior with a broadcastable (smaller) batch shape still yields one KL per batch element
     if q.batch_shape == prior.batch_shape:
         return kl
-    return kl.expand(torch.broadcast_shapes(q.batch_shape, prior.batch_shape))
+    return kl.expand(broadcast_shape(q.batch_shape, prior.batch_shape))
 
 
 @register_kl(BernoulliDropoutRows, torch.distributions.Independent)

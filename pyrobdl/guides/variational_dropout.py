@@ -22,6 +22,7 @@ import pyro.distributions as dist
 import torch
 from pyro.distributions import constraints
 from pyro.nn import PyroParam
+from pyro.distributions.util import broadcast_shape  # pure Python: torch.broadcast_shapes imports sympy (0.25 s) on first use
 from torch.distributions import register_kl
 
 from ..posterior import SVIPosterior
@@ -171,7 +172,7 @@ def _kl_vd_log_uniform(q: VariationalDropoutNormal, p: ImproperLogUniform) -> to
     if type(p) is not ImproperLogUniform:  # the flat subclass: no KL defined, fall back
         raise NotImplementedError
     kl = kl_log_uniform(q.log_alpha, q.approximation)
-    return kl.expand(torch.broadcast_shapes(q.batch_shape, p.batch_shape))
+    return kl.expand(broadcast_shape(q.batch_shape, p.batch_shape))
 
 
 @dataclass(frozen=True)

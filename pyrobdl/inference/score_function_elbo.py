@@ -58,6 +58,7 @@ from pyro.infer import TraceGraph_ELBO
 from pyro.infer.tracegraph_elbo import _construct_baseline
 from pyro.infer.util import MultiFrameTensor
 from pyro.ops.provenance import detach_provenance, get_provenance
+from pyro.distributions.util import broadcast_shape  # pure Python: torch.broadcast_shapes imports sympy (0.25 s) on first use
 from torch.distributions import kl_divergence
 
 __all__ = ["PARTICLE_BASELINES", "ScoreFunctionELBO"]
@@ -197,7 +198,7 @@ class ScoreFunctionELBO(TraceGraph_ELBO):
             return cost - (cost.sum(dim, keepdim=True) - cost) / (p - 1), 0.0
         # vargrad: the whole log-ratio, centred, times P / (P - 1)
         whole = total.sum_to(stack)
-        whole = whole.expand(torch.broadcast_shapes(whole.shape, cost.shape))
+        whole = whole.expand(broadcast_shape(whole.shape, cost.shape))
         return (whole - whole.mean(dim, keepdim=True)) * (p / (p - 1)), 0.0
 
 
