@@ -266,7 +266,8 @@ class FlatLogJoint:
             u = theta[:, self._prec_slice.start]
             tau = u.exp()
             return 0.5 * m * (u - _LOG_2PI) - 0.5 * tau * sq, (r, tau, u, m)
-        return r.shape[-2] * self._lik_const_point - 0.5 * self._tau * sq, (r, None, None, m)  # one normaliser, as kernel.py's
+        # one normaliser, as kernel.py's; float - tensor as torch.rsub (Tensor.__rsub__ is a Python wrapper)
+        return torch.rsub(0.5 * self._tau * sq, r.shape[-2] * self._lik_const_point), (r, None, None, m)
 
     # ----------------------------------------------------------------------------- fast path
     def value_and_grad(

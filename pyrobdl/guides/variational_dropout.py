@@ -120,7 +120,8 @@ def kl_log_uniform(log_alpha: torch.Tensor, approximation: str = "molchanov") ->
     # log(1 + 1/alpha) = softplus(-log alpha), stable for any log alpha.
     if approximation == "molchanov":
         k1, k2, k3 = MOLCHANOV_CONSTANTS
-        return k1 - k1 * torch.sigmoid(k2 + k3 * log_alpha) + 0.5 * torch.nn.functional.softplus(-log_alpha)
+        # k1 - k1 sigmoid(...) as torch.rsub: Tensor.__rsub__ is a Python wrapper (~3 us a step)
+        return torch.rsub(k1 * torch.sigmoid(k2 + k3 * log_alpha), k1) + 0.5 * torch.nn.functional.softplus(-log_alpha)
     if approximation == "kingma":
         c0, c1, c2, c3 = KINGMA_CONSTANTS
         alpha = log_alpha.exp()

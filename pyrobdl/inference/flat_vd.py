@@ -117,7 +117,7 @@ def _kl_and_slope(log_alpha: torch.Tensor, approximation: str) -> tuple[torch.Te
     if approximation == "molchanov":
         k1, k2, k3 = MOLCHANOV_CONSTANTS
         t = torch.sigmoid(k2 + k3 * log_alpha)
-        return kl, -k1 * k3 * t * (1.0 - t) - 0.5 * torch.sigmoid(-log_alpha)
+        return kl, -k1 * k3 * t * torch.rsub(t, 1.0) - 0.5 * torch.sigmoid(-log_alpha)  # rsub: 1 - t, no Python wrapper
     if approximation == "kingma":
         _, c1, c2, c3 = KINGMA_CONSTANTS
         a = log_alpha.exp()
@@ -217,7 +217,7 @@ def _lrt_likelihood(
             if relu:
                 g = torch.ops.aten.threshold_backward(gh, h, 0.0)
             else:
-                g = gh.mul_(1.0 - h2)
+                g = gh.mul_(torch.rsub(h2, 1.0))  # 1 - h2 (Tensor.__rsub__ is a Python wrapper)
     return ll, g_mu, g_var, g_theta
 
 
