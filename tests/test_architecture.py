@@ -29,7 +29,7 @@ PKG = ROOT.name
 #: docs/architecture.md draws the same table.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundation", ("pyrobdl._validation", "pyrobdl._io", "pyrobdl._version", "pyrobdl._allocator",
-                    "pyrobdl.poutine", "pyrobdl.torch_interop")),
+                    "pyrobdl._grad", "pyrobdl.poutine", "pyrobdl.torch_interop")),
     ("data", ("pyrobdl.datasets",)),
     ("model", ("pyrobdl.priors", "pyrobdl.likelihoods", "pyrobdl.model", "pyrobdl._saved")),
     ("flat log joint", ("pyrobdl.flat",)),

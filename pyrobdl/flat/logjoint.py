@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from .._grad import no_grad
 from .. import likelihoods as _lik
 from . import kernel as _kernel
 from .compiled import _compiled_entry
@@ -317,7 +318,7 @@ class FlatLogJoint:
                 return self._compiled(theta if theta.is_inference() else theta.clone())
         return self._value_and_grad(theta, idx, prior)
 
-    @torch.no_grad()
+    @no_grad
     def log_likelihood(self, theta: torch.Tensor, idx: torch.Tensor | None = None) -> torch.Tensor:
         """The scaled log-likelihood ``[K]`` at ``theta`` ``[K, P]``: the forward pass alone, no gradient.
 
@@ -333,7 +334,7 @@ class FlatLogJoint:
         ll, _ = self._log_lik(f, y, theta)
         return ll if scale == 1.0 else ll.mul_(scale)
 
-    @torch.no_grad()
+    @no_grad
     def log_prior(self, theta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         r"""The prior part of :meth:`value_and_grad`: ``log p`` ``[K]`` and its gradient ``[K, P]``.
 
@@ -374,7 +375,7 @@ class FlatLogJoint:
         tau = u.exp()
         return self._gamma_const + self._a * u - self._b * tau, self._a - self._b * tau
 
-    @torch.no_grad()
+    @no_grad
     def output_log_lik_and_grad(
         self, f: torch.Tensor, idx: torch.Tensor | None, theta: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -411,7 +412,7 @@ class FlatLogJoint:
             return scale * ll, r * (scale * tau).view(-1, 1, 1), du
         return scale * ll, r * (scale * self._tau), None
 
-    @torch.no_grad()
+    @no_grad
     def _value_and_grad(
         self, theta: torch.Tensor, idx: torch.Tensor | None, prior: bool = True, functional: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:

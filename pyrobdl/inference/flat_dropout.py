@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from .._grad import no_grad
 from ..flat import FlatLogJoint
 
 __all__ = ["DropoutPlan", "dropout_loss_and_grads", "dropout_noise"]
@@ -144,7 +145,7 @@ def dropout_noise(guide: Any, plan: DropoutPlan, num_particles: int, lj: FlatLog
     return {"multipliers": torch.cat(mults, 1), "eps": torch.cat(parts, 1)}
 
 
-@torch.no_grad()
+@no_grad
 def dropout_loss_and_grads(
     guide: Any,
     plan: DropoutPlan,

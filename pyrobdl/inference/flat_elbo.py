@@ -59,6 +59,7 @@ from typing import Any
 
 import torch
 
+from .._grad import no_grad
 from ..flat import FlatLogJoint
 
 __all__ = ["FlatELBO", "delta_loss_and_grad", "flat_support", "normal_loss_and_grad"]
@@ -248,7 +249,7 @@ class FlatELBO(torch.nn.Module):
         return _FlatLoss.apply(self, x, y, subsample, *sites)
 
 
-    @torch.no_grad()
+    @no_grad
     def _loss_and_grads(
         self, x: torch.Tensor, y: torch.Tensor, subsample: torch.Tensor | None, noise: torch.Tensor | dict | None
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from .._grad import no_grad
 from ..flat import FlatLayout, FlatLogJoint
 from .flat_elbo import _FlatLoss
 from .score_function_direct import _BASELINES, DirectScoreFunctionELBO
@@ -187,7 +188,7 @@ class FlatScoreFunctionELBO(DirectScoreFunctionELBO):
         sites = [self.guide._parameters[n + "_unconstrained"] for n in self.guide._packs["params"]]
         return _FlatLoss.apply(self, x, y, subsample, *sites)
 
-    @torch.no_grad()
+    @no_grad
     def _loss_and_grads(
         self, x: torch.Tensor, y: torch.Tensor, subsample: torch.Tensor | None, noise: torch.Tensor | None
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -27,6 +27,7 @@ from typing import Any, Mapping
 
 import torch
 
+from .._grad import no_grad
 from ..flat import FlatLogJoint
 from ..guides import variational_dropout as _vd
 from ..guides.variational_dropout import KINGMA_CONSTANTS, LOG_ALPHA_RANGE, MOLCHANOV_CONSTANTS, _EPS
@@ -221,7 +222,7 @@ def _lrt_likelihood(
     return ll, g_mu, g_var, g_theta
 
 
-@torch.no_grad()
+@no_grad
 def vd_loss_and_grads(
     guide: Any,
     plan: VDPlan,

@@ -19,6 +19,7 @@ import pyro
 import torch
 from tqdm.auto import tqdm
 
+from .._grad import no_grad
 from ..posterior import Cost, SVIPosterior
 from .elbo import make_elbo
 from .flat_step import FusedFlatAdam
@@ -190,7 +191,7 @@ class PackedAdam:
         # shared by every tensor, always equal to ``t``
         self._step = _fused_adam_step(self.params)
 
-    @torch.no_grad()
+    @no_grad
     def step(self) -> None:
         """One Adam update of every tensor that has a gradient."""
         self.t += 1
