@@ -1,4 +1,5 @@
-"""``no_grad``: :func:`torch.no_grad` as a decorator for hot paths, free when gradients are already off."""
+"""Gradient helpers: ``no_grad`` (:func:`torch.no_grad` as a decorator for hot paths, free when
+gradients are already off) and ``jacobian`` (reverse mode, without importing Dynamo)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any, Callable, TypeVar
 
 import torch
 
-__all__ = ["no_grad"]
+__all__ = ["jacobian", "no_grad"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -29,3 +30,21 @@ def no_grad(fn: F) -> F:
         return fn(*args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
+
+
+def jacobian(fn: Callable[..., torch.Tensor], t: torch.Tensor, *args: Any) -> torch.Tensor:
+    """``d fn(t, *args) / dt``, shape ``[*fn(t).shape, *t.shape]``, in any grad mode.
+
+    One reverse pass batched over the output's coordinates (``torch.autograd.grad`` with
+    ``is_grads_batched=True``), what ``torch.func.jacrev`` computes — but ``jacrev`` imports
+    ``torch._dynamo`` on its first call (~1 CPU s and 820 modules per process, torch 2.13: the
+    Laplace cells of every comparison paid it).
+    """
+    with torch.inference_mode(False), torch.enable_grad():  # inference tensors are copied: autograd needs normal ones
+        t = (t.clone() if t.is_inference() else t).detach().requires_grad_(True)
+        args = tuple(a.clone() if isinstance(a, torch.Tensor) and a.is_inference() else a for a in args)
+        out = fn(t, *args)
+        flat = out.reshape(-1)
+        basis = torch.eye(flat.numel(), dtype=flat.dtype, device=flat.device)
+        (jac,) = torch.autograd.grad(flat, t, grad_outputs=basis, is_grads_batched=True)
+    return jac.reshape(*out.shape, *t.shape)

@@ -37,3 +37,24 @@ def test_no_grad_restores_gradients_after_an_exception_and_keeps_the_name():
         pass
     assert torch.is_grad_enabled()
     assert _modes.__name__ == "_modes" and _modes.__doc__ == "Documented."
+
+
+def test_jacobian_equals_jacrev_in_any_grad_mode():
+    from pyrobdl._grad import jacobian
+
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(4, 3, generator=g, dtype=torch.float64), torch.randn(5, 3, generator=g, dtype=torch.float64)
+
+    def f(t: torch.Tensor, xb: torch.Tensor) -> torch.Tensor:  # [B, 2] from t [4, 3]
+        h = torch.tanh(xb @ t.t())
+        return torch.stack([h.sum(-1), (h * h).prod(-1)], -1)
+
+    expected = torch.func.jacrev(f)(w, x)
+    assert expected.shape == (5, 2, 4, 3)
+    for mode in (torch.enable_grad, torch.no_grad, torch.inference_mode):
+        with mode():
+            jac = jacobian(f, w, x)
+        assert jac.shape == expected.shape and torch.allclose(jac, expected, rtol=1e-12, atol=1e-14), mode
+    with torch.inference_mode():  # inputs that are themselves inference tensors
+        jac = jacobian(f, w.clone(), x.clone())
+    assert torch.allclose(jac, expected, rtol=1e-12, atol=1e-14)

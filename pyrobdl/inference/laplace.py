@@ -39,7 +39,8 @@ Daxberger et al. 2021).
 Why not ``laplace-torch``: measured for torch 2.13 (docs/methods/laplace.md) it pins an alpha
 release of ``asdfghjkl`` and pulls ``backpack-for-pytorch``, ``curvlinops-for-pytorch``,
 ``torchvision`` and ``torchmetrics``; a dry-run install resolved to a different torch build.
-The curvatures here are a few ``torch.func`` calls over the flat layout.
+The curvatures here are a few Jacobians (``pyrobdl._grad.jacobian``; ``torch.func`` for the exact
+Hessian) over the flat layout.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
+from .._grad import jacobian
 from ..flat import FlatLogJoint
 from ..posterior import Cost, Posterior
 from .ensemble import LOOP_OPTIONS, _check_options as _check_ensemble_options, init_members, loop_settings, train_members
@@ -164,7 +166,7 @@ class _Curvature:
     def ggn_sqrt(self, xb: torch.Tensor, columns: torch.Tensor | None = None) -> torch.Tensor:
         r"""``M_n = \Lambda_n^{1/2\top} J_n`` ``[B, O, P]`` (or its ``columns``), with
         ``\sum_n M_n^\top M_n`` the GGN."""
-        jac = torch.func.jacrev(self._f)(self.theta, xb)  # [B, O, P]
+        jac = jacobian(self._f, self.theta, xb)  # [B, O, P]
         if columns is not None:
             jac = jac[..., columns]
         return self._lambda_root(jac, xb)
@@ -226,7 +228,7 @@ class _Curvature:
         def f(eps: torch.Tensor) -> torch.Tensor:
             return self._forward(xb, list(torch.split(eps, widths)))[0]
 
-        return self._lambda_root(torch.func.jacrev(f)(zero), xb)
+        return self._lambda_root(jacobian(f, zero), xb)
 
 
 def _layer_sites(layout: Any, i: int) -> tuple[str, ...]:
@@ -494,7 +496,7 @@ class LaplacePosterior(Posterior):
         with torch.no_grad():
             for i in range(0, x.shape[0], self._chunk):
                 xb = x[i : i + self._chunk].double()
-                jac = torch.func.jacrev(f)(mean64, xb)  # [B, O, P]
+                jac = jacobian(f, mean64, xb)  # [B, O, P]
                 parts.append(f(mean64, xb) + torch.einsum("bop,sp->sbo", jac, delta))
         return torch.cat(parts, 1).to(self.mean.dtype)
 
