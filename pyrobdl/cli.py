@@ -86,7 +86,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="validate and list the cells and their state; run nothing")
     p.add_argument("--no-progress", action="store_true", help="no progress bars (log lines only)")
     p.add_argument("--report", action="store_true", help="then build DIR's report, as `pyrobdl report DIR` does, in "
-                   "this process (saves a second start-up and its imports, ~3 CPU s); also when cells failed")
+                   "this process (saves a second start-up and its imports, ~2 CPU s); also when cells failed")
 
     r = sub.add_parser("report", formatter_class=fmt, epilog=_EPILOG, help="build report.html and report.md",
                        description="Write DIR/report.html (self-contained: figures embedded, no network) and "
