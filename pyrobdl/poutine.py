@@ -12,9 +12,9 @@ from typing import Collection
 
 import pyro.distributions as dist
 import torch
+from pyro.distributions.util import broadcast_shape  # torch.broadcast_shapes imports sympy on first use
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.runtime import effectful
-from pyro.distributions.util import broadcast_shape  # pure Python: torch.broadcast_shapes imports sympy (0.25 s) on first use
 
 __all__ = ["KLWeightMessenger", "LocalReparameterizationMessenger", "linear"]
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import pyro.distributions as dist
-from pyro.distributions.util import broadcast_shape  # pure Python: torch.broadcast_shapes imports sympy (0.25 s) on first use
 import torch
+from pyro.distributions.util import broadcast_shape  # torch.broadcast_shapes imports sympy on first use
 
 from ._validation import positive_number as _positive
 

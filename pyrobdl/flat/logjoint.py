@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from .._grad import no_grad
 from .. import likelihoods as _lik
+from .._grad import no_grad
 from . import kernel as _kernel
 from .compiled import _compiled_entry
 from .layout import FlatLayout

@@ -25,7 +25,7 @@ import math
 import pyro.distributions as dist
 import torch
 from pyro.distributions import constraints
-from pyro.distributions.util import broadcast_shape  # pure Python: torch.broadcast_shapes imports sympy (0.25 s) on first use
+from pyro.distributions.util import broadcast_shape  # torch.broadcast_shapes imports sympy on first use
 from torch.distributions import register_kl
 
 __all__ = ["BernoulliDropoutRows", "DropoutRows", "GaussianDropoutRows", "gaussian_prior_parts"]

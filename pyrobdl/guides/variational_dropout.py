@@ -21,8 +21,8 @@ from typing import Any, ContextManager, Mapping
 import pyro.distributions as dist
 import torch
 from pyro.distributions import constraints
+from pyro.distributions.util import broadcast_shape  # torch.broadcast_shapes imports sympy on first use
 from pyro.nn import PyroParam
-from pyro.distributions.util import broadcast_shape  # pure Python: torch.broadcast_shapes imports sympy (0.25 s) on first use
 from torch.distributions import register_kl
 
 from ..posterior import SVIPosterior

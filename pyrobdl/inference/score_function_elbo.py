@@ -53,12 +53,11 @@ from collections import defaultdict
 from typing import Any, Mapping
 
 import torch
-from pyro.distributions.util import is_identically_zero
+from pyro.distributions.util import broadcast_shape, is_identically_zero  # broadcast_shape: torch's imports sympy
 from pyro.infer import TraceGraph_ELBO
 from pyro.infer.tracegraph_elbo import _construct_baseline
 from pyro.infer.util import MultiFrameTensor
 from pyro.ops.provenance import detach_provenance, get_provenance
-from pyro.distributions.util import broadcast_shape  # pure Python: torch.broadcast_shapes imports sympy (0.25 s) on first use
 from torch.distributions import kl_divergence
 
 __all__ = ["PARTICLE_BASELINES", "ScoreFunctionELBO"]
