@@ -49,6 +49,7 @@ from .mcmc_kernels import (
     _resolve_potential,
     _NUTS,
 )
+from .flat_mcmc import _FlatSiteKernel
 from .registry import Method, fit, register_method, require_proper_prior
 from .svi import _peak_memory
 
@@ -291,6 +292,8 @@ def _run_chain(model: Any, x: torch.Tensor, y: torch.Tensor, method: str, potent
     counter = _Counted(potential)
     kernel = _make_kernel(method, counter, transforms, options)
     kernel._start_recording(counter)
+    if flat is not None and isinstance(kernel, _FlatSiteKernel):
+        kernel.use_flat_site(flat.NAME, flat.energy_and_grad, counter)
     bar = _chain_bar(method, chain, options, progress)
     mcmc = MCMC(kernel, num_samples=options["num_samples"], warmup_steps=options["num_warmup"],
                 initial_params=init, disable_progbar=True, transforms=transforms,

@@ -14,6 +14,7 @@ import torch
 from pyro.infer.mcmc import HMC, NUTS
 
 from ..guides.base import model_sites
+from .flat_mcmc import FlatTrajectory, FlatTree
 
 #: How each chain's starting point is chosen.
 INIT_STRATEGIES = ("median", "sample", "map", "ensemble")
@@ -95,11 +96,11 @@ class _Recording:
         return z
 
 
-class _NUTS(_Recording, NUTS):
-    pass
+class _NUTS(_Recording, FlatTree, NUTS):
+    """Pyro's NUTS, recording; on the flat site its tree runs on one tensor (:class:`FlatTree`)."""
 
 
-class _HMC(_Recording, HMC):
+class _HMC(_Recording, FlatTrajectory, HMC):
     r"""Pyro's HMC with NumPyro's step count and a jittered trajectory length.
 
     A given ``num_steps`` stays fixed while the step size adapts; otherwise
@@ -179,11 +180,8 @@ class _FlatPotentialFn(torch.autograd.Function):
         # inference mode: no autograd bookkeeping on the kernel's ~50 small ops (1.25x less CPU per
         # call at one chain); its tensors are only read outside it (an inference tensor cannot be
         # saved for backward: the gradient is kept on ctx, and is never written in place)
-        with torch.inference_mode():
-            theta = u if site.to_layout is None else u[site.to_layout]
-            value, grad = site.lj.value_and_grad(theta.unsqueeze(0))
-            ctx.grad = grad[0] if site.to_pyro is None else grad[0, site.to_pyro]
-        return -value[0]  # a normal tensor: made outside inference mode
+        value, ctx.grad = site.log_joint_and_grad(u)
+        return -value  # a normal tensor: made outside inference mode
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -217,6 +215,19 @@ class _FlatSite:
         # u (Pyro's order) -> theta (the layout's) and the layout's gradient -> Pyro's order
         self.to_pyro = None if identity else to_pyro
         self.to_layout = None if identity else torch.argsort(to_pyro)
+
+    def log_joint_and_grad(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The log joint ``[]`` at ``u`` (Pyro's order) and its gradient ``[P]``, inference tensors."""
+        with torch.inference_mode():
+            theta = u if self.to_layout is None else u[self.to_layout]
+            value, grad = self.lj.value_and_grad(theta.unsqueeze(0))
+            return value[0], grad[0] if self.to_pyro is None else grad[0, self.to_pyro]
+
+    def energy_and_grad(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The potential energy at ``u`` and its gradient, Pyro's ``potential_grad`` without autograd:
+        the same floats (its backward multiplies the same negated gradient by 1), normal tensors."""
+        value, grad = self.log_joint_and_grad(u)
+        return -value, -grad
 
     def potential(self, z: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Pyro's potential energy of ``{NAME: u}``."""

@@ -1,0 +1,127 @@
+"""Pyro's NUTS tree and HMC trajectory on one flat tensor (pyrobdl.inference.flat_mcmc): the chain Pyro's
+own methods run, bit for bit, and Pyro's methods wherever the shortcut would not be Pyro's behaviour."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pyro
+import pyro.poutine as poutine
+import pytest
+import torch
+
+import pyrobdl
+from pyrobdl.inference import flat_mcmc
+from pyrobdl.inference.flat_mcmc import FlatTree, _FlatSiteKernel, _statements_are_plain
+
+
+def _data(n=30, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 2, generator=g)
+    return x, torch.sin(2 * x[:, 0]) + 0.1 * torch.randn(n, generator=g)
+
+
+def _fit(method, likelihood, fast, monkeypatch, **options):
+    """One chain from seed 3, with the flat shortcut on (and counted) or off (Pyro's own methods)."""
+    calls = {"leaf": 0, "step": 0}
+    step = _FlatSiteKernel._flat_step
+    leaf = FlatTree._flat_leaf
+
+    def counted_step(self, *a):
+        calls["step"] += 1
+        return step(self, *a)
+
+    def counted_leaf(self, *a):
+        calls["leaf"] += 1
+        return leaf(self, *a)
+
+    monkeypatch.setattr(_FlatSiteKernel, "_flat_step", counted_step)
+    monkeypatch.setattr(FlatTree, "_flat_leaf", counted_leaf)
+    if not fast:
+        monkeypatch.setattr(_FlatSiteKernel, "_flat_ready", lambda self: False)
+    model = pyrobdl.BayesianMLP(2, (5,), 1, activation="tanh", likelihood=likelihood())
+    x, y = _data()
+    pyro.set_rng_seed(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # short chains: not certified, trees saturated
+        post = pyrobdl.fit(model, x, y, method=method, num_chains=1, num_warmup=40, num_samples=20,
+                           potential="flat", progress=False, **options)
+    monkeypatch.undo()
+    return post, calls
+
+
+CASES = [
+    ("nuts", "fixed", torch.float32, dict(max_tree_depth=4)),
+    ("nuts", "learned", torch.float64, dict(max_tree_depth=4)),
+    ("nuts", "fixed", torch.float64, dict(max_tree_depth=3, full_mass=True)),
+    ("hmc", "fixed", torch.float32, dict(num_steps=6, jitter=0.2)),
+    ("hmc", "learned", torch.float64, dict(trajectory_length=0.5, full_mass=True)),
+]
+
+
+@pytest.mark.parametrize("method,likelihood,dtype,options", CASES)
+def test_flat_shortcut_runs_pyros_chain_bit_for_bit(method, likelihood, dtype, options, monkeypatch):
+    lik = (lambda: pyrobdl.likelihoods.GaussianLearnedPrecision(3.0, 2.0)) if likelihood == "learned" else (
+        lambda: pyrobdl.likelihoods.Gaussian(25.0))
+    torch.set_default_dtype(dtype)
+    try:
+        fast, used = _fit(method, lik, True, monkeypatch, **options)
+        pyros, unused = _fit(method, lik, False, monkeypatch, **options)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    # the shortcut ran (else the comparison below would compare Pyro with itself) ...
+    assert used["step"] > 100 and (method == "hmc" or used["leaf"] == used["step"])
+    assert unused == {"leaf": 0, "step": 0}
+    # ... and gave Pyro's chain: every draw, step count, step size, acceptance statistic and energy equal
+    assert set(fast.samples) == set(pyros.samples)
+    for k in fast.samples:
+        assert fast.samples[k].dtype == dtype
+        assert torch.equal(fast.samples[k], pyros.samples[k]), k
+    for field in ("num_steps", "step_size", "accept_prob", "energy", "log_joint", "diverging"):
+        np.testing.assert_array_equal(getattr(fast.trace, field), getattr(pyros.trace, field), err_msg=field)
+    assert fast.cost.gradient_evaluations == pyros.cost.gradient_evaluations
+    assert max(float(v.std(1).max()) for v in fast.samples.values()) > 0  # the chain moved
+
+
+def test_tree_statements_are_plain_only_where_pyro_would_sample_them_plainly():
+    assert _statements_are_plain()
+    with poutine.block():  # MCMC.run's own handler: hides every site
+        assert _statements_are_plain()
+    with poutine.block(hide=["is_other_half_tree"]):
+        assert _statements_are_plain()
+    with poutine.block(hide=["something_else"]):  # the tree's statement would pass through to outer handlers
+        assert not _statements_are_plain()
+    with poutine.trace():  # a handler that records the statement
+        assert not _statements_are_plain()
+    with poutine.trace(), poutine.block():  # blocked inside: the trace does not see it
+        assert _statements_are_plain()
+
+
+def test_nuts_under_a_recording_handler_takes_pyros_tree(monkeypatch):
+    # A handler innermost of MCMC.run's block would see the tree's sample statements: Pyro's tree runs.
+    real = flat_mcmc._statements_are_plain
+    monkeypatch.setattr(flat_mcmc, "_statements_are_plain", lambda: False)
+    post, calls = _fit("nuts", lambda: pyrobdl.likelihoods.Gaussian(25.0), True, monkeypatch, max_tree_depth=3)
+    assert calls["leaf"] == 0 and post.samples
+    assert real()
+
+
+def test_flat_site_energy_and_grad_equal_pyros_potential_grad():
+    from pyro.infer.autoguide.initialization import init_to_sample
+    from pyro.infer.mcmc.util import initialize_model
+    from pyro.ops.integrator import potential_grad
+
+    from pyrobdl.inference.mcmc_kernels import _FlatSite
+
+    model = pyrobdl.BayesianMLP(2, (5,), 1, activation="tanh",
+                                likelihood=pyrobdl.likelihoods.GaussianLearnedPrecision(3.0, 2.0))
+    x, y = _data()
+    site = _FlatSite(model, x, y)
+    pyro.set_rng_seed(0)
+    z, _, _, _ = initialize_model(model, (x, y), init_strategy=init_to_sample)
+    u = site.pack(z)
+    grads, pe = potential_grad(site.potential, u)
+    pe2, g2 = site.energy_and_grad(u[site.NAME])
+    assert torch.equal(pe, pe2) and torch.equal(grads[site.NAME], g2)
+    assert not g2.is_inference() and not pe2.is_inference()  # Pyro caches and adapts with them
