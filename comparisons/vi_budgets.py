@@ -13,6 +13,9 @@ gains nothing beyond the spread between seeds.
     nice -n 10 python comparisons/vi_budgets.py --suite quickstart --factors 1 3 --seeds 0 1
     nice -n 10 python comparisons/vi_budgets.py --suite uci_fast --dataset boston --factors 1 3
     nice -n 10 python comparisons/vi_budgets.py --suite quickstart --dataset blr --factors 0.1 0.3 1
+    nice -n 10 python comparisons/vi_budgets.py --suite quickstart --methods mean_field --lrs 0.01 0.03 --factors 0.33 1
+
+``--lrs``: each learning rate with each factor (a budget that converges sooner at a larger step).
 
 ``--dataset blr`` (quickstart): the suite's Bayesian linear regression, with the budget the
 dataset's ``overrides`` give (else ``[methods]``'s), and two more columns: the distance to the
@@ -74,6 +77,8 @@ def main() -> None:
     p.add_argument("--methods", nargs="*", default=None)
     p.add_argument("--factors", nargs="*", type=float, default=[1.0, 3.0])
     p.add_argument("--seeds", nargs="*", type=int, default=[0])
+    p.add_argument("--lrs", nargs="*", type=float, default=None,
+                   help="learning rates to try instead of the suite's (each with every factor)")
     a = p.parse_args()
     torch.set_num_threads(1)
     warnings.simplefilter("ignore", UserWarning)
@@ -84,19 +89,19 @@ def main() -> None:
     if a.suite == "uci_fast":
         methods = [m for m in methods if m in cfg["datasets"].get(a.dataset, {}).get("methods", methods)]
     exact = a.dataset == "blr"
-    print(f"{'method':<20} {'steps':>6} {'seed':>4} {'objective':>10} {'rise':>8} {'± s.e.':>7} {'flag':>4} "
+    print(f"{'method':<20} {'lr':>6} {'steps':>6} {'seed':>4} {'objective':>10} {'rise':>8} {'± s.e.':>7} {'flag':>4} "
           f"{'test LL':>8} {'CPU s':>6}" + (f" {'mean err':>8} {'sd ratio':>8}" if exact else ""))
     for m in methods:
         own = cfg["datasets"].get(a.dataset, {}).get("overrides", {}).get(m, {}) if a.suite == "quickstart" else {}
         settings = {k: v for k, v in {**cfg["methods"][m], **own}.items()
                     if k not in ("published", "gradient_variance", "model")}
         prior = pyrobdl.priors.LogUniform() if m == "variational_dropout" else None
-        for factor in a.factors:
+        for lr, factor in [(lr, f) for lr in (a.lrs or [settings.get("lr")]) for f in a.factors]:
             steps = int(round(settings["num_steps"] * factor))
             for seed in a.seeds:
                 c0 = time.process_time()
                 post = pyrobdl.fit(make_model(prior), data.x_train, data.y_train, m, seed=seed, progress=False,
-                                   **{**settings, "num_steps": steps})
+                                   **{**settings, "num_steps": steps, **({"lr": lr} if lr is not None else {})})
                 cpu = time.process_time() - c0
                 h = np.asarray(post.history, dtype=float)
                 tail = float(np.mean(h[-max(len(h) // 10, 1):]))
@@ -108,7 +113,7 @@ def main() -> None:
                 if exact:
                     e = exact_posterior_metrics(post.model, post, data, 1000, 0)
                     extra = f" {e.get('exact_mean_error_sd', float('nan')):>8.3f} {e.get('exact_sd_ratio', float('nan')):>8.3f}"
-                print(f"{m:<20} {steps:>6} {seed:>4} {tail:>10.2f} {rise[0]:>8.3g} {rise[1]:>7.2g} {rise[2]:>4} "
+                print(f"{m:<20} {lr if lr is not None else '-':>6} {steps:>6} {seed:>4} {tail:>10.2f} {rise[0]:>8.3g} {rise[1]:>7.2g} {rise[2]:>4} "
                       f"{t['test_ll']:>8.3f} {cpu:>6.1f}" + extra, flush=True)
 
 
