@@ -57,6 +57,16 @@ class _Tree(NamedTuple):
     num_proposals: int
 
 
+def _numbers(like: torch.Tensor, *values: float) -> tuple:
+    """``values`` as 0-d CPU tensors of ``like``'s dtype: torch 2.13 copies a Python number into a fresh
+    0-d tensor at every tensor-scalar operation (``aten::to``, ~1.3 µs); an operation with a 0-d tensor
+    of the same dtype computes the same bits (the number is cast to that dtype either way).  Half
+    precision keeps the numbers (its scalars are computed in float)."""
+    if like.dtype not in (torch.float32, torch.float64):
+        return values
+    return tuple(torch.tensor(v, dtype=like.dtype) for v in values)
+
+
 def _mul(matrix: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     """Pyro's ``_matvecmul`` on a one-site block (its ``torch.cat`` of one tensor is a copy)."""
     return matrix.mul(r) if matrix.dim() == 1 else matrix.matmul(r)
@@ -99,12 +109,14 @@ class _FlatSiteKernel:
             raise
         return grad, pe
 
-    def _flat_step(self, z, r, z_grads, step, inverse_mass):
-        """Pyro's ``_single_step_verlet`` on tensors, its expressions in its order."""
-        r = r + 0.5 * step * (-z_grads)  # r(n+1/2)
+    def _flat_step(self, z, r, z_grads, steps, inverse_mass):
+        """Pyro's ``_single_step_verlet`` on tensors, its expressions in its order; ``steps``: (0.5 * step,
+        step) as :func:`_numbers` (Pyro's ``0.5 * step_size * (-g)`` multiplies by the number 0.5 * step)."""
+        half_step, step = steps
+        r = r + half_step * (-z_grads)  # r(n+1/2)
         z = z + step * _mul(inverse_mass, r)  # z(n+1)
         z_grads, potential_energy = self._flat_energy(z)
-        r = r + 0.5 * step * (-z_grads)  # r(n+1)
+        r = r + half_step * (-z_grads)  # r(n+1)
         return z, r, z_grads, potential_energy
 
     def _flat_ready(self) -> bool:
@@ -126,8 +138,8 @@ class FlatTree(_FlatSiteKernel):
         adapter = self.mass_matrix_adapter
         step = self.step_size if direction == 1 else -self.step_size
         # the adapter's matrices of the one block (read per doubling: adaptation replaces them)
-        ctx = (adapter.inverse_mass_matrix[key], adapter._mass_matrix_sqrt_inverse[key], step, log_slice,
-               energy_current)
+        ctx = (adapter.inverse_mass_matrix[key], adapter._mass_matrix_sqrt_inverse[key],
+               _numbers(energy_current, 0.5 * step, step, 0.5, 2.0), log_slice, energy_current)
         t = self._flat_tree(z[name], r[name], z_grads[name], direction, tree_depth, ctx)
         d = lambda v: {name: v}  # noqa: E731
         u = lambda v: {key: v}  # noqa: E731
@@ -138,11 +150,11 @@ class FlatTree(_FlatSiteKernel):
 
     def _flat_leaf(self, z, r, z_grads, ctx) -> _Tree:
         """Pyro's ``_build_basetree``: one velocity Verlet step and the new state's energy."""
-        inverse_mass, sqrt_inverse, step, log_slice, energy_current = ctx
-        z, r, z_grads, potential_energy = self._flat_step(z, r, z_grads, step, inverse_mass)
+        inverse_mass, sqrt_inverse, numbers, log_slice, energy_current = ctx
+        z, r, z_grads, potential_energy = self._flat_step(z, r, z_grads, numbers[:2], inverse_mass)
         r_unscaled = _mul(sqrt_inverse, r)
         # Pyro's kinetic energy is 0.5 * (0.0 + r.r): adding 0.0 to a sum of squares changes no bit
-        energy_new = potential_energy + 0.5 * r_unscaled.dot(r_unscaled)
+        energy_new = potential_energy + numbers[2] * r_unscaled.dot(r_unscaled)
         if math.isnan(energy_new.item()):
             energy_new = torch.tensor(float("inf"), dtype=energy_new.dtype, device=energy_new.device)
         sliced_energy = energy_new + log_slice
@@ -169,7 +181,7 @@ class FlatTree(_FlatSiteKernel):
         r_sum = half.r_sum + other.r_sum
         proposal = other if self._is_other_half(other.weight - weight) else half
         rl, rr = left.r_left_unscaled, right.r_right_unscaled
-        turning = other.turning or self._flat_turning(rl, rr, r_sum)
+        turning = other.turning or self._flat_turning(rl, rr, r_sum, ctx[2][3])
         return _Tree(left.z_left, left.r_left, rl, left.z_left_grads, right.z_right, right.r_right, rr,
                      right.z_right_grads, proposal.z_proposal, proposal.z_proposal_pe, proposal.z_proposal_grads,
                      r_sum, weight, turning, other.diverging, sum_accept_probs,
@@ -188,10 +200,10 @@ class FlatTree(_FlatSiteKernel):
             return bool(torch.bernoulli(prob) == 1)
 
     @staticmethod
-    def _flat_turning(r_left: torch.Tensor, r_right: torch.Tensor, r_sum: torch.Tensor) -> bool:
+    def _flat_turning(r_left: torch.Tensor, r_right: torch.Tensor, r_sum: torch.Tensor, two: Any) -> bool:
         """Pyro's ``_is_turning`` (Betancourt 2017, A.4.2) on one site; ``0.0 +`` a dot product changes no
         comparison with 0."""
-        rho = r_sum - (r_left + r_right) / 2
+        rho = r_sum - (r_left + r_right) / two  # two: 2 as a 0-d tensor (_numbers)
         return bool(r_left.dot(rho) <= 0) or bool(r_right.dot(rho) <= 0)
 
 
@@ -211,8 +223,9 @@ class FlatTrajectory(_FlatSiteKernel):
         energy_current = self._kinetic_energy(r_unscaled) + potential_energy
         u, p, g = z[name], r[name], z_grads[name]
         inverse_mass, step = self.mass_matrix_adapter.inverse_mass_matrix[(name,)], self.step_size
+        steps = _numbers(u, 0.5 * step, step)
         for _ in range(self.num_steps):
-            u, p, g, potential_energy_new = self._flat_step(u, p, g, step, inverse_mass)
+            u, p, g, potential_energy_new = self._flat_step(u, p, g, steps, inverse_mass)
         z_new, z_grads_new = {name: u}, {name: g}
         energy_proposal = self._kinetic_energy(self.mass_matrix_adapter.unscale({name: p})) + potential_energy_new
         delta_energy = energy_proposal - energy_current
