@@ -269,7 +269,8 @@ class FlatLogJoint:
             tau = u.exp()
             return 0.5 * m * (u - _LOG_2PI) - 0.5 * tau * sq, (r, tau, u, m)
         # one normaliser, as kernel.py's; float - tensor as torch.rsub (Tensor.__rsub__ is a Python wrapper)
-        return torch.rsub(0.5 * self._tau * sq, r.shape[-2] * self._lik_const_point), (r, None, None, m)
+        c = self.const
+        return torch.rsub(c(0.5 * self._tau) * sq, c(r.shape[-2] * self._lik_const_point)), (r, None, None, m)
 
     def const(self, value: float) -> torch.Tensor | float:
         """``value`` as a 0-d CPU tensor of the log joint's dtype, made once per value (the hot paths' scalars).
@@ -280,8 +281,8 @@ class FlatLogJoint:
         reads it as it would the number, cast to that dtype once: the same result, bit for bit.
         Half precision gets the number itself (its scalars are computed in float, not in half).
         """
-        if self.dtype not in (torch.float32, torch.float64):
-            return value
+        if self.dtype not in (torch.float32, torch.float64) or torch.compiler.is_compiling():
+            return value  # (a traced graph keeps its numbers)
         t = self._consts.get(value)
         if t is None:
             t = self._consts[value] = torch.tensor(value, dtype=self.dtype)
@@ -427,7 +428,7 @@ class FlatLogJoint:
         if self._learned:
             du = scale * (0.5 * m - 0.5 * tau * (r * r).sum((-1, -2)))
             return scale * ll, r * (scale * tau).view(-1, 1, 1), du
-        return scale * ll, r * (scale * self._tau), None
+        return self.const(scale) * ll, r * self.const(scale * self._tau), None
 
     @no_grad
     def _value_and_grad(

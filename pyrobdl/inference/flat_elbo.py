@@ -351,7 +351,7 @@ def normal_loss_and_grad(
         ll, g = lj._value_and_grad(theta, subsample, False, functional=True)
     else:
         ll, g = lj.value_and_grad(theta, subsample, prior=False)
-    kl, d_loc, d_sigma = _normal_kl(lj, kl_terms, loc, sigma, theta, eps)
+    kl, d_loc, d_sigma = _normal_kl(lj, kl_terms, loc, sigma, theta, eps, float if functional else lj.const)
     if s == 1:
         g_loc, g_sigma = g[0], g[0] * eps[0]
     else:
@@ -375,16 +375,17 @@ def normal_loss_and_grad(
 
 def _normal_kl(
     lj: FlatLogJoint, kl_terms: tuple[torch.Tensor, float, bool], loc: torch.Tensor, sigma: torch.Tensor,
-    theta: torch.Tensor, eps: torch.Tensor,
+    theta: torch.Tensor, eps: torch.Tensor, c: Any = float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The KL term ``[S]`` (or ``[]``) and its total derivatives in ``loc`` and ``sigma`` ``[P]``."""
+    """The KL term ``[S]`` (or ``[]``) and its total derivatives in ``loc`` and ``sigma`` ``[P]``; ``c``: the
+    numbers as :meth:`FlatLogJoint.const <pyrobdl.flat.FlatLogJoint.const>` makes them (the same bits)."""
     prec, kl_const, analytic = kl_terms
     log_sigma_sum = sigma.log().sum()
     if analytic:
         # closed form where the prior is Gaussian (prec > 0); where prec = 0 these
         # expressions reduce to the -log(sigma) and -1/sigma of the Monte Carlo term
         # kl_const - log_sigma_sum as torch.rsub: Tensor.__rsub__ is a Python wrapper (~3 us a step)
-        kl = torch.rsub(log_sigma_sum, kl_const) + 0.5 * (prec * (sigma * sigma + loc * loc)).sum()
+        kl = torch.rsub(log_sigma_sum, c(kl_const)) + c(0.5) * (prec * (sigma * sigma + loc * loc)).sum()
         d_loc = prec * loc
         d_sigma = prec * sigma - sigma.reciprocal()
         u = lj.precision_index

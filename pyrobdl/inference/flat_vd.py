@@ -111,14 +111,15 @@ def normal_lrt_noise(plan: NormalLRTPlan, num_particles: int, batch: int, lj: Fl
             "preactivations": [torch.randn(num_particles, batch, out, **kw) for _, out, _, _ in plan.weights]}
 
 
-def _kl_and_slope(log_alpha: torch.Tensor, approximation: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _kl_and_slope(log_alpha: torch.Tensor, approximation: str, c: Any = float) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`~pyrobdl.guides.variational_dropout.kl_log_uniform` (the value: the one formula the
-    registered KL uses too) and its derivative in log alpha, written out here."""
+    registered KL uses too) and its derivative in log alpha, written out here; ``c``: the numbers as
+    :meth:`FlatLogJoint.const <pyrobdl.flat.FlatLogJoint.const>` makes them (the same bits)."""
     kl = _vd.kl_log_uniform(log_alpha, approximation)
     if approximation == "molchanov":
         k1, k2, k3 = MOLCHANOV_CONSTANTS
-        t = torch.sigmoid(k2 + k3 * log_alpha)
-        return kl, -k1 * k3 * t * torch.rsub(t, 1.0) - 0.5 * torch.sigmoid(-log_alpha)  # rsub: 1 - t, no Python wrapper
+        t = torch.sigmoid(c(k2) + c(k3) * log_alpha)
+        return kl, c(-k1 * k3) * t * torch.rsub(t, c(1.0)) - c(0.5) * torch.sigmoid(-log_alpha)  # rsub: 1 - t
     if approximation == "kingma":
         _, c1, c2, c3 = KINGMA_CONSTANTS
         a = log_alpha.exp()
@@ -167,6 +168,7 @@ def _lrt_likelihood(
     :math:`\partial h = g\mu + 2h\odot(g\epsilon/2\sqrt v)\,s`.
     """
     x = lj.x if idx is None else lj.x[idx]
+    c = float if functional else lj.const  # numbers as 0-d tensors (lj.const), not when compiled
     relu = plan.activation == "relu"
     g_theta = torch.zeros_like(theta)
     g_mu = torch.zeros_like(mu)
@@ -186,7 +188,7 @@ def _lrt_likelihood(
         a = torch.addcmul(mean, sd, eps)  # [S, B, out]
         # d sd/d v = 1/(2 sd) where v > floor, 0 where clamp_min held it (its derivative; at
         # v == floor exactly torch's clamp passes the gradient, a case of measure zero), one op
-        half_inv_sd = sd.reciprocal().mul_(0.5)
+        half_inv_sd = sd.reciprocal().mul_(c(0.5))
         if functional:
             half_inv_sd = torch.ops.aten.threshold_backward(half_inv_sd, v, _VAR_FLOOR)
         else:
@@ -214,11 +216,11 @@ def _lrt_likelihood(
         if i > 0:
             w_mu = mu[wsl].view(out, inp)
             w_var = var[ssl].view(out, inp)
-            gh = (g @ w_mu).add_((gv @ w_var).mul_(h).mul_(2.0))  # [S, B, in]
+            gh = (g @ w_mu).add_((gv @ w_var).mul_(h).mul_(c(2.0)))  # [S, B, in]
             if relu:
                 g = torch.ops.aten.threshold_backward(gh, h, 0.0)
             else:
-                g = gh.mul_(torch.rsub(h2, 1.0))  # 1 - h2 (Tensor.__rsub__ is a Python wrapper)
+                g = gh.mul_(torch.rsub(h2, c(1.0)))  # 1 - h2 (Tensor.__rsub__ is a Python wrapper)
     return ll, g_mu, g_var, g_theta
 
 
@@ -266,14 +268,16 @@ def vd_loss_and_grads(
     eps = noise["eps"]
     s, size = eps.shape
     ps = plan.sparse.numel()
-    sc = _vd_scales(guide, plan, loc, spread)
+    c = float if functional else lj.const  # numbers as 0-d tensors (lj.const: the same bits), not when compiled
+    weighted = functional or beta != 1.0  # (1.0 * x is x: the product is skipped)
+    sc = _vd_scales(guide, plan, loc, spread, c)
     theta = torch.addcmul(loc, sc["sigma"], eps)  # [S, P]; point sites have sigma = 0
     local = guide.local_reparameterization
     g_mu = g_var = None
     if local:
         ll, g_mu, g_var, g = _lrt_likelihood(plan, lj, loc, sc["sig_s"] * sc["sig_s"], theta, idx,
                                              noise["preactivations"], functional)
-        g_mu, g_var = g_mu / s, g_var / s
+        g_mu, g_var = g_mu / c(float(s)), g_var / c(float(s))
     elif functional:
         ll, g = lj._value_and_grad(theta, idx, False, functional=True)
     else:
@@ -285,11 +289,11 @@ def vd_loss_and_grads(
     w_s = theta[:, plan.sparse]
     e_s = eps[:, plan.sparse]
     if analytic_kl:
-        kl_w, slope = _kl_and_slope(sc["log_alpha"], guide.approximation)
+        kl_w, slope = _kl_and_slope(sc["log_alpha"], guide.approximation, c)
         kl = kl_w.sum().expand(s)
         low, high = sc["range"]
-        live = ((sc["raw"] >= low) & (sc["raw"] <= high)).to(slope.dtype)  # clamp's derivative
-        d_la = beta * slope * live  # d(loss)/d log alpha
+        live = ((sc["raw"] >= c(low)) & (sc["raw"] <= c(high))).to(slope.dtype)  # clamp's derivative
+        d_la = (beta * slope if weighted else slope) * live  # d(loss)/d log alpha
     else:
         kl = (-0.5 * e_s * e_s - _HALF_LOG_2PI + torch.log(w_s.abs())).sum(-1) - sc["log_sigma2"].sum() * 0.5
         G[:, plan.sparse] += beta / w_s
@@ -301,17 +305,17 @@ def vd_loss_and_grads(
         kl_u, dl, ds = _precision_terms(lj, u, loc[u], sc["rho_o"][plan.precision_position], eps, theta)
         kl = kl + kl_u
         prec = (u, dl, ds)
-    grad_loc, d_ls = _vd_chain_rule(plan, sc, G, d_sig, d_la, e_s, (g_mu, g_var) if local else None)
+    grad_loc, d_ls = _vd_chain_rule(plan, sc, G, d_sig, d_la, e_s, (g_mu, g_var) if local else None, c)
     grad = torch.empty(size + spread.shape[0], dtype=loc.dtype, device=loc.device)
     grad[:size] = grad_loc
     grad[size : size + ps] = d_ls
     if plan.other.numel():
         grad[size + ps :] = _other_sites_grad(plan, sc["rho_o"], G, eps, grad_loc, grad, beta, prec)
-    loss = (beta * kl - ll).mean()
+    loss = ((beta * kl if weighted else kl) - ll).mean()
     return loss, [grad]
 
 
-def _vd_scales(guide: Any, plan: VDPlan, loc: torch.Tensor, spread: torch.Tensor) -> dict[str, Any]:
+def _vd_scales(guide: Any, plan: VDPlan, loc: torch.Tensor, spread: torch.Tensor, c: Any = float) -> dict[str, Any]:
     r"""The sparsified coordinates' :math:`	heta`, (capped) :math:`\log\sigma^2`, :math:`\loglpha`
     before (``raw``) and after the clip to ``range``, which coordinates Kingma's cap binds
     (``capped``, None for sparse VD), :math:`\sigma` (``sig_s``; ``sigma``: every coordinate's, 0 at
@@ -319,7 +323,7 @@ def _vd_scales(guide: Any, plan: VDPlan, loc: torch.Tensor, spread: torch.Tensor
     ps = plan.sparse.numel()
     theta_s = loc[plan.sparse]
     log_sigma2 = spread[:ps]
-    log_theta2 = torch.log(theta_s * theta_s + _EPS)
+    log_theta2 = torch.log(theta_s * theta_s + c(_EPS))
     low, high = LOG_ALPHA_RANGE
     capped = None
     if not guide.sparse:  # Kingma et al.: the variance of q itself is capped at theta^2
@@ -327,7 +331,7 @@ def _vd_scales(guide: Any, plan: VDPlan, loc: torch.Tensor, spread: torch.Tensor
         log_sigma2 = torch.minimum(log_sigma2, log_theta2)
         high = 0.0
     raw = log_sigma2 - log_theta2
-    sig_s = (0.5 * log_sigma2).exp()
+    sig_s = (c(0.5) * log_sigma2).exp()
     sigma = torch.zeros_like(loc)
     sigma[plan.sparse] = sig_s
     rho_o = spread[ps:]
@@ -338,7 +342,7 @@ def _vd_scales(guide: Any, plan: VDPlan, loc: torch.Tensor, spread: torch.Tensor
 
 
 def _vd_chain_rule(plan: VDPlan, sc: Mapping[str, Any], G: torch.Tensor, d_sig: torch.Tensor, d_la: Any,
-                   e_s: torch.Tensor, lrt: tuple[torch.Tensor, torch.Tensor] | None
+                   e_s: torch.Tensor, lrt: tuple[torch.Tensor, torch.Tensor] | None, c: Any = float
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """The particles' mean path derivatives taken to the parameters: every mean's gradient and the
     sparsified coordinates' d(loss)/d(stored log sigma^2); ``lrt``: local reparameterization's
@@ -351,9 +355,9 @@ def _vd_chain_rule(plan: VDPlan, sc: Mapping[str, Any], G: torch.Tensor, d_sig: 
         grad_loc.sub_(g_mu)
         grad_sig = grad_sig.sub_(sig_s * g_var, alpha=2.0)
     # sigma = exp(log_sigma2 / 2) with log_sigma2 the capped value (Kingma)
-    d_ls = 0.5 * sig_s * grad_sig  # d(loss)/d(effective log sigma^2)
+    d_ls = c(0.5) * sig_s * grad_sig  # d(loss)/d(effective log sigma^2)
     grad_theta_s = grad_loc[plan.sparse]
-    dlt2 = 2.0 * theta_s / (theta_s * theta_s + _EPS)
+    dlt2 = c(2.0) * theta_s / (theta_s * theta_s + c(_EPS))
     if d_la is not None:
         d_ls = d_ls + d_la
         grad_theta_s = grad_theta_s - d_la * dlt2

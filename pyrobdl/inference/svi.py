@@ -190,6 +190,7 @@ class PackedAdam:
         # whole fits (comparisons/benchmarks/packed_adam.py); one step tensor shared by every
         # tensor, always equal to ``t``
         self._step = _fused_adam_step(self.params)
+        self._one = None if self._step is None else torch.ones((), dtype=self._step.dtype)  # add_(1.0) copies the 1
 
     @no_grad
     def step(self) -> None:
@@ -197,7 +198,7 @@ class PackedAdam:
         self.t += 1
         lr = self.param_groups[0]["lr"]
         if self._step is not None:
-            self._step.add_(1.0)
+            self._step.add_(self._one)
             grads = [p.grad for p in self.params]
             if all(g is not None for g in grads):  # not `None in grads`: a tensor's == costs ~12 us
                 torch._fused_adam_(self.params, grads, self.exp_avg, self.exp_avg_sq, [], [self._step] * len(grads),
