@@ -18,6 +18,8 @@ from .layout import FlatLayout
 from .support import _check_supported, auto_chunk_size
 
 _LOG_2PI = math.log(2.0 * math.pi)
+# torch.compiler.is_compiling from torch 2.3 (the requirement allows 2.2, where nothing here is compiled by default)
+_is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
 
 
 class FlatLogJoint:
@@ -293,7 +295,7 @@ class FlatLogJoint:
             The 0-d tensor; ``value`` itself in half precision (its scalars are computed in float,
             not in half) and inside ``torch.compile``'s tracing (a graph keeps its numbers).
         """
-        if self.dtype not in (torch.float32, torch.float64) or torch.compiler.is_compiling():
+        if self.dtype not in (torch.float32, torch.float64) or _is_compiling():
             return value
         t = self._consts.get(value)
         if t is None:
