@@ -576,3 +576,27 @@ def test_cuda_equals_cpu(float64, likelihood, activation):
             assert grad_err(gg[row].cpu(), g[row]) < TOL64
     draws = gpu.sample_prior(4, generator=torch.Generator(device="cuda").manual_seed(0))
     assert draws.device.type == "cuda" and draws.dtype == torch.float64 and torch.isfinite(draws).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_const_gives_the_bits_of_the_python_number(dtype):
+    # FlatLogJoint.const: a number as a cached 0-d tensor (torch copies a Python number at every
+    # tensor-scalar op); an op with it must give exactly what the op with the number gives
+    x = torch.randn(10, 2, dtype=dtype)
+    lj = FlatLogJoint(pyrobdl.BayesianMLP(2, (3,), 1), x, torch.randn(10, dtype=dtype))
+    t = torch.randn(257, dtype=dtype) * 100
+    for v in (0.1, 1.0 / 3.0, 2.5, 100.0, -7.25e-3, 1e30, 1e-30):
+        c = lj.const(v)
+        assert isinstance(c, torch.Tensor) and c.dtype == dtype and c.dim() == 0 and lj.const(v) is c
+        for op in (torch.mul, torch.add, torch.sub, torch.div, torch.rsub, torch.ge):
+            assert torch.equal(op(t, v), op(t, c)), (op, v)
+    # zeros (one key for +0.0 and -0.0) and NaN are never cached: the number itself comes back
+    assert lj.const(0.0) == 0.0 and not isinstance(lj.const(-0.0), torch.Tensor)
+    assert math.isnan(lj.const(float("nan")))
+    assert all(isinstance(k, float) and k != 0.0 and k == k for k in lj._consts)
+
+
+def test_const_is_the_number_in_half_precision():
+    x = torch.randn(10, 2).to(torch.bfloat16)
+    lj = FlatLogJoint(pyrobdl.BayesianMLP(2, (3,), 1), x, torch.randn(10).to(torch.bfloat16))
+    assert lj.const(2.5) == 2.5 and not isinstance(lj.const(2.5), torch.Tensor)

@@ -299,6 +299,8 @@ class FlatLogJoint:
             return value
         t = self._consts.get(value)
         if t is None:
+            if value == 0.0 or value != value:  # +0.0 and -0.0 are one key, NaN none: not cached
+                return value
             t = self._consts[value] = torch.tensor(value, dtype=self.dtype)
         return t
 
