@@ -34,12 +34,11 @@ def value_and_grad(
     tanh = lj._act == "tanh"
     fixed = lj.task != "classification" and not lj._learned  # a Gaussian of fixed precision tau
     lik_const = scale * b * lj._lik_const_point if fixed else 0.0  # its normaliser, added with the prior's
-    # the numbers below as 0-d tensors (lj.const: torch copies a Python number at every op), not when compiled
-    const = (lambda v: v) if functional else lj.const
     if prior:
         grad = theta * lj._neg_prior_prec  # d/dtheta of the Gaussian prior
-        # theta * theta: theta.square() is pow(theta, 2), the same product through a copied scalar
-        logp = torch.mv(theta * theta, lj._half_neg_prior_prec).add_(const(lj._prior_const + lik_const))
+        # theta * theta: theta.square() is pow(theta, 2), the same product through a copied scalar;
+        # lj.const: numbers as 0-d tensors (torch copies a Python number at every tensor-scalar op)
+        logp = torch.mv(theta * theta, lj._half_neg_prior_prec).add_(lj.const(lj._prior_const + lik_const))
     else:
         grad = torch.zeros_like(theta)
         logp = theta.new_full((k,), lik_const)
@@ -53,14 +52,14 @@ def value_and_grad(
     else:
         ll, aux = lj._log_lik(f, y, theta)
         logp += ll if scale == 1.0 else scale * ll
-    gf = _output_grad(lj, f, y, theta, aux, grad, logp, scale, prior, per_row, k, b, const)
+    gf = _output_grad(lj, f, y, theta, aux, grad, logp, scale, prior, per_row, k, b)
     # relu into one output unit: relu(a) = a * 1[a > 0] and a0 = x1 @ w0aug^T, so the output
     # weight's gradient sum_b g[k,b] relu(a0[b,k,h]) equals sum_i w0aug[k,h,i] S[k,h,i], where
     # S = x1^T (g masked by 1[a0 > 0]) is the GEMM layer 0's gradient computes anyway: one
     # pass over the [B, K, H] activations less (they are read from memory, not cache)
     homogeneous = lj._fold_output_grad and not tanh and last == 1 and layers[1][0].shape[1] == 1
     pieces: dict[str, torch.Tensor] = {}  # each layer site's likelihood gradient, added to grad at the end
-    g, factor, alpha = _backward_hidden(lj, gf, zs, layers, pieces, last, tanh, homogeneous, functional, k, b, const)
+    g, factor, alpha = _backward_hidden(lj, gf, zs, layers, pieces, last, tanh, homogeneous, functional, k, b)
     _backward_layer0(lj, g, x1, w0aug, factor, alpha, pieces, last, homogeneous, per_row, k, b)
     _add_pieces(lj, grad, pieces, k)
     return logp, grad
@@ -129,7 +128,7 @@ def _forward(x1, layers, last, tanh, per_row, k, b, zero):
     return w0aug, zs, f
 
 
-def _output_grad(lj, f, y, theta, aux, grad, logp, scale, prior, per_row, k, b, const):
+def _output_grad(lj, f, y, theta, aux, grad, logp, scale, prior, per_row, k, b):
     """``dlogp/df`` ``[K, B, O]``; a learned precision's gradient (and prior) go into ``grad``, ``logp``."""
     if lj.task == "classification":
         gf = -torch.softmax(f, -1)
@@ -147,11 +146,11 @@ def _output_grad(lj, f, y, theta, aux, grad, logp, scale, prior, per_row, k, b, 
                 grad[:, lj._prec_slice.start] += du
                 logp += value
         else:
-            gf = r * const(scale * lj._tau)
+            gf = r * lj.const(scale * lj._tau)
     return gf
 
 
-def _backward_hidden(lj, gf, zs, layers, pieces, last, tanh, homogeneous, functional, k, b, const):
+def _backward_hidden(lj, gf, zs, layers, pieces, last, tanh, homogeneous, functional, k, b):
     """Backward through layers last .. 1, their sites' gradients into ``pieces``; ``g = dlogp/da_0`` (up
     to a factor), and the factor (a tensor or None) and scalar ``alpha`` layer 0's gradient applies
     after its GEMM."""
@@ -172,7 +171,7 @@ def _backward_hidden(lj, gf, zs, layers, pieces, last, tanh, homogeneous, functi
         if j == 1 and w.shape[1] == 1:
             # dlogp/da0[b,k,h] = g[k,b] w[k,h] act'(a0)[b,k,h]: w is applied after the GEMM
             # (tanh: the 4 of tanh' in the same pass as the copy into [B, K, 1])
-            gb = (g.permute(1, 0, 2).mul(const(4.0)) if tanh else g.permute(1, 0, 2).contiguous()).expand(b, k, z.shape[-1])
+            gb = (g.permute(1, 0, 2).mul(lj.const(4.0)) if tanh else g.permute(1, 0, 2).contiguous()).expand(b, k, z.shape[-1])
             factor = w.transpose(1, 2)  # [K, H, 1]
         else:
             gb = torch.bmm(g, w).transpose(0, 1)  # [B, K, Hin], z's layout
@@ -185,7 +184,7 @@ def _backward_hidden(lj, gf, zs, layers, pieces, last, tanh, homogeneous, functi
             if j == 1:
                 alpha = 1.0 if factor is not None else 4.0
             else:
-                g.mul_(const(4.0))
+                g.mul_(lj.const(4.0))
         else:
             g = (torch.ops.aten.threshold_backward(gb, z, 0.0) if functional
                  else torch.ops.aten.threshold_backward.grad_input(gb, z, 0.0, grad_input=z))

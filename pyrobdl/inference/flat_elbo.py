@@ -351,7 +351,7 @@ def normal_loss_and_grad(
         ll, g = lj._value_and_grad(theta, subsample, False, functional=True)
     else:
         ll, g = lj.value_and_grad(theta, subsample, prior=False)
-    kl, d_loc, d_sigma = _normal_kl(lj, kl_terms, loc, sigma, theta, eps, float if functional else lj.const)
+    kl, d_loc, d_sigma = _normal_kl(lj, kl_terms, loc, sigma, theta, eps, lj.const)
     if s == 1:
         g_loc, g_sigma = g[0], g[0] * eps[0]
     else:

@@ -25,8 +25,8 @@ from typing import Any, Callable, NamedTuple
 import pyro
 import pyro.distributions as dist
 import torch
-from pyro.infer.mcmc.adaptation import BlockMassMatrix
 from pyro.distributions.util import scalar_like
+from pyro.infer.mcmc.adaptation import BlockMassMatrix
 from pyro.infer.mcmc.nuts import _logaddexp, _TreeInfo
 from pyro.ops.integrator import _EXCEPTION_HANDLERS
 from pyro.poutine.block_messenger import BlockMessenger
@@ -196,8 +196,7 @@ class FlatTree(_FlatSiteKernel):
         p = prob.item()
         if not 0.0 <= p <= 1.0:
             return bool(pyro.sample("is_other_half_tree", dist.Bernoulli(probs=prob)) == 1)
-        with torch.no_grad():
-            return bool(torch.bernoulli(prob) == 1)
+        return bool(torch.bernoulli(prob) == 1)  # (no graph to keep out: prob does not require grad)
 
     @staticmethod
     def _flat_turning(r_left: torch.Tensor, r_right: torch.Tensor, r_sum: torch.Tensor, two: Any) -> bool:

@@ -168,7 +168,7 @@ def _lrt_likelihood(
     :math:`\partial h = g\mu + 2h\odot(g\epsilon/2\sqrt v)\,s`.
     """
     x = lj.x if idx is None else lj.x[idx]
-    c = float if functional else lj.const  # numbers as 0-d tensors (lj.const), not when compiled
+    c = lj.const  # numbers as 0-d tensors (the same bits; numbers while torch.compile traces)
     relu = plan.activation == "relu"
     g_theta = torch.zeros_like(theta)
     g_mu = torch.zeros_like(mu)
@@ -268,7 +268,7 @@ def vd_loss_and_grads(
     eps = noise["eps"]
     s, size = eps.shape
     ps = plan.sparse.numel()
-    c = float if functional else lj.const  # numbers as 0-d tensors (lj.const: the same bits), not when compiled
+    c = lj.const  # numbers as 0-d tensors (the same bits; numbers while torch.compile traces)
     weighted = functional or beta != 1.0  # (1.0 * x is x: the product is skipped)
     sc = _vd_scales(guide, plan, loc, spread, c)
     theta = torch.addcmul(loc, sc["sigma"], eps)  # [S, P]; point sites have sigma = 0

@@ -49,7 +49,6 @@ from .mcmc_kernels import (
     _resolve_potential,
     _NUTS,
 )
-from .flat_mcmc import _FlatSiteKernel
 from .registry import Method, fit, register_method, require_proper_prior
 from .svi import _peak_memory
 
@@ -292,7 +291,7 @@ def _run_chain(model: Any, x: torch.Tensor, y: torch.Tensor, method: str, potent
     counter = _Counted(potential)
     kernel = _make_kernel(method, counter, transforms, options)
     kernel._start_recording(counter)
-    if flat is not None and isinstance(kernel, _FlatSiteKernel):
+    if flat is not None:  # _NUTS and _HMC run their trajectories on the one tensor
         kernel.use_flat_site(flat.NAME, flat.energy_and_grad, counter)
     bar = _chain_bar(method, chain, options, progress)
     mcmc = MCMC(kernel, num_samples=options["num_samples"], warmup_steps=options["num_warmup"],
