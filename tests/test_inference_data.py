@@ -229,6 +229,26 @@ def test_read_inference_data_is_lazy_equal_and_closed(tmp_path):
         np.testing.assert_array_equal(back.log_likelihood["y"].values, idata.log_likelihood["y"].values)
 
 
+def test_read_inference_data_opens_only_the_groups_asked_for(tmp_path):
+    """The rank plots' reader: one group, lazily, with the values of the whole-file read; no other
+    group; the file closed when the block ends."""
+    from pyrobdl.diagnostics.arviz_adapter import read_inference_data
+
+    idata = idata_of("nuts", "regression")
+    path = tmp_path / "idata.nc"
+    idata.to_netcdf(str(path))
+    with read_inference_data(path, ["posterior_predictive"]) as back:
+        assert back.groups() == ["posterior_predictive"]
+        f = back.posterior_predictive["f"]
+        assert not isinstance(f.variable._data, np.ndarray)  # still on disk
+        np.testing.assert_array_equal(f.values, idata.posterior_predictive["f"].values)
+        assert f.dims == idata.posterior_predictive["f"].dims
+    path.unlink()
+    idata.to_netcdf(str(path))  # no handle left open
+    with read_inference_data(path, []) as back:
+        assert back.groups() == []
+
+
 @pytest.mark.parametrize("name", ["mean_field", "nuts"])
 def test_stored_dims_are_those_of_the_written_groups(tmp_path, name):
     """The report's cheap look into a stored file (which cells get rank plots): every group and

@@ -372,7 +372,7 @@ def pareto_k(log_ratios: Any) -> float:
 
 
 @contextlib.contextmanager
-def read_inference_data(path: Any):
+def read_inference_data(path: Any, groups: Sequence[str] | None = None):
     """Open a stored ``InferenceData`` netCDF file lazily, for the ``with`` block only.
 
     Groups and variables are read from disk when accessed, not at open: a report that draws four
@@ -384,18 +384,34 @@ def read_inference_data(path: Any):
     ----------
     path : str or os.PathLike
         The ``.nc`` file, as written by ``pyrobdl compare`` (``inference_data.nc``).
+    groups : sequence of str, optional
+        Open only these groups (each must be in the file); default every group.  Opening a group
+        reads every variable's metadata: a rank plot needs one of a file's seven groups, 0.03 CPU s
+        against ArviZ's 0.2 for all of them.
 
     Yields
     ------
     arviz.InferenceData
         Valid inside the block only.
     """
-    with az.rc_context({"data.load": "lazy"}):
-        idata = az.from_netcdf(str(path))
+    if groups is None:
+        with az.rc_context({"data.load": "lazy"}):
+            idata = az.from_netcdf(str(path))
+        try:
+            yield idata
+        finally:
+            idata.close()
+        return
+    import xarray as xr
+
+    opened = {}
     try:
-        yield idata
+        for group in groups:
+            opened[group] = xr.open_dataset(str(path), group=group, engine="h5netcdf")
+        yield az.InferenceData(**opened)
     finally:
-        idata.close()
+        for ds in opened.values():
+            ds.close()
 
 
 def stored_dims(path: Any) -> dict[str, dict[str, int]]:

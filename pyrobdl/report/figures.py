@@ -491,20 +491,16 @@ def rank_plots(records: Sequence[Mapping[str, Any]], dataset: str) -> list[Figur
         dims = stored_dims(Path(first["_dir"]) / name)  # from the file's metadata: variational fits skipped unopened
         if "sample_stats" not in dims or dims.get("posterior", {}).get("chain", 1) < 2:
             continue
-        with read_inference_data(Path(first["_dir"]) / name) as idata:  # reads only what is drawn
-            fig = _rank_figure(idata, first, dataset, label)
-        if fig is not None:
-            out.append(fig)
+        # reads only what is drawn: the one group, lazily
+        with read_inference_data(Path(first["_dir"]) / name, [g for g in ("posterior_predictive",) if g in dims]) as idata:
+            out.append(_rank_figure(idata, first, dataset, label, dims["posterior"]["chain"]))
     return out
 
 
-def _rank_figure(idata: Any, first: Mapping[str, Any], dataset: str, label: str) -> Figure | None:
-    """One method's function-space rank figure from its open ``idata`` (None: not a multi-chain sampler)."""
+def _rank_figure(idata: Any, first: Mapping[str, Any], dataset: str, label: str, chains: int) -> Figure:
+    """One method's function-space rank figure from the ``posterior_predictive`` of its open ``idata``."""
     from ..diagnostics import plots
 
-    if "sample_stats" not in idata.groups() or idata.posterior.sizes.get("chain", 1) < 2:
-        return None
-    chains = int(idata.posterior.sizes["chain"])
     what = ("the top-class probability" if "class" in idata.posterior_predictive["f"].dims
             else "the network output")
     if chains > MAX_RANK_HISTOGRAMS:
