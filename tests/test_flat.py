@@ -45,8 +45,9 @@ def kernel(request, monkeypatch):
 
     monkeypatch.setattr(FlatLogJoint, "numpy_kernel", request.param == "numpy")
     calls = []
-    real = numpy_kernel.value_and_grad
-    monkeypatch.setattr(numpy_kernel, "value_and_grad", lambda *a: calls.append(1) or real(*a))
+    for name in ("value_and_grad", "log_likelihood"):
+        real = getattr(numpy_kernel, name)
+        monkeypatch.setattr(numpy_kernel, name, lambda *a, real=real: calls.append(1) or real(*a))
     yield request.param
     assert bool(calls) == (request.param == "numpy")
 
@@ -202,7 +203,7 @@ def test_gradient_equals_autograd_twin(float64, kernel, likelihood, hidden, acti
 
 @pytest.mark.parametrize("hidden, activation", ARCHITECTURES, ids=lambda v: str(v))
 @pytest.mark.parametrize("likelihood", ["gaussian-2", "learned-1", "categorical-3"])
-def test_forward_only_log_likelihood_equals_the_autograd_twins(float64, likelihood, hidden, activation):
+def test_forward_only_log_likelihood_equals_the_autograd_twins(float64, kernel, likelihood, hidden, activation):
     """log_likelihood (the score-function path's forward pass) is the twin's scaled likelihood,
     log_joint(prior=False), for the full data, one minibatch and a minibatch per row."""
     model = make_model("per_layer", likelihood, hidden, activation)

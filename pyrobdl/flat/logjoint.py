@@ -370,6 +370,8 @@ class FlatLogJoint:
         ``idx`` as in :meth:`value_and_grad` (``[B]`` or ``[K, B]``; the likelihood scaled by N/B).
         """
         self._check_idx(idx, theta.shape[0])
+        if self.numpy_kernel and _numpy_kernel.usable(self, theta, idx):
+            return _numpy_kernel.log_likelihood(self, theta, idx)
         x1, y, scale = _kernel.batch(self, idx)
         k = theta.shape[0]
         _, _, f = _kernel._forward(x1, self._weights(theta), self._num_layers - 1, self._act == "tanh",

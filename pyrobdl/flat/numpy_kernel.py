@@ -84,7 +84,57 @@ def value_and_grad_np(plan: NumpyPlan, lj: Any, theta: np.ndarray, idx: np.ndarr
     else:
         grad = np.zeros_like(theta)
         logp = np.zeros(k, dtype)
-    # forward: hs[i] is layer i's input ([B, in] for the data, then [K, B, H])
+    hs, weights, f = _forward(plan, theta, x, k)
+    gf = _likelihood(plan, lj, f, y, theta, grad, logp, scale, prior, k, b)
+    # backward: g = dlogp/da of layer i
+    g = gf
+    for i in range(len(plan.layers) - 1, -1, -1):
+        wsl, wshape, bsl = plan.layers[i]
+        h_in = hs[i]
+        grad[:, wsl] += np.matmul(g.transpose(0, 2, 1), h_in).reshape(k, -1)
+        if bsl is not None:
+            grad[:, bsl] += g.sum(1)
+        if i > 0:
+            gh = np.matmul(g, weights[i])  # [K, B, in]
+            g = gh * (dtype.type(1.0) - h_in * h_in) if plan.tanh else gh * (h_in > 0)
+    return logp, grad
+
+
+def log_likelihood(lj: Any, theta: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:
+    """The scaled log-likelihood ``[K]`` (:meth:`FlatLogJoint.log_likelihood
+    <pyrobdl.flat.FlatLogJoint.log_likelihood>`'s contract), the forward pass alone, in numpy."""
+    plan = lj._numpy_plan
+    if plan is None:
+        plan = lj._numpy_plan = NumpyPlan(lj)
+    t = theta.detach()
+    theta_np = t.numpy() if t.is_contiguous() else t.contiguous().numpy()
+    x, y, scale = (plan.x, plan.y, 1.0) if idx is None else (plan.x[idx.numpy()], plan.y[idx.numpy()],
+                                                             lj.num_data / idx.shape[0])
+    k, b = theta_np.shape[0], x.shape[0]
+    with np.errstate(all="ignore"):
+        f = _forward(plan, theta_np, x, k)[2]
+        dt = theta_np.dtype.type
+        if plan.classification:
+            z = f - f.max(-1, keepdims=True)
+            rows, points = np.ogrid[:k, :b]
+            ll = (z[rows, points, y] - np.log(np.exp(z).sum(-1))).sum(1)
+        else:
+            r = y - f
+            sq = (r * r).sum((1, 2))
+            if plan.learned:
+                u = theta_np[:, plan.u]
+                ll = dt(0.5 * r.shape[1] * r.shape[2]) * (u - dt(_LOG_2PI)) - dt(0.5) * np.exp(u) * sq
+            else:
+                ll = dt(b * lj._lik_const_point) - dt(0.5 * lj._tau) * sq
+        if scale != 1.0:
+            ll = ll * dt(scale)
+    return torch.from_numpy(np.ascontiguousarray(ll))
+
+
+def _forward(plan: NumpyPlan, theta: np.ndarray, x: np.ndarray, k: int
+             ) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray]:
+    """Each layer's input (``[B, in]`` for the data, then ``[K, B, H]``), each layer's weights
+    ``[K, out, in]``, and the outputs ``[K, B, O]``."""
     hs, weights = [x], []
     h = x
     last = len(plan.layers) - 1
@@ -95,21 +145,9 @@ def value_and_grad_np(plan: NumpyPlan, lj: Any, theta: np.ndarray, idx: np.ndarr
         if bsl is not None:
             a += theta[:, None, bsl]
         if i < last:
-            h = np.tanh(a) if plan.tanh else np.maximum(a, dtype.type(0.0))
+            h = np.tanh(a) if plan.tanh else np.maximum(a, theta.dtype.type(0.0))
             hs.append(h)
-    gf = _likelihood(plan, lj, a, y, theta, grad, logp, scale, prior, k, b)
-    # backward: g = dlogp/da of layer i
-    g = gf
-    for i in range(last, -1, -1):
-        wsl, wshape, bsl = plan.layers[i]
-        h_in = hs[i]
-        grad[:, wsl] += np.matmul(g.transpose(0, 2, 1), h_in).reshape(k, -1)
-        if bsl is not None:
-            grad[:, bsl] += g.sum(1)
-        if i > 0:
-            gh = np.matmul(g, weights[i])  # [K, B, in]
-            g = gh * (dtype.type(1.0) - h_in * h_in) if plan.tanh else gh * (h_in > 0)
-    return logp, grad
+    return hs, weights, a
 
 
 def _likelihood(plan: NumpyPlan, lj: Any, f: np.ndarray, y: np.ndarray, theta: np.ndarray, grad: np.ndarray,
