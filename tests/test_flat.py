@@ -37,21 +37,6 @@ def float64():
     torch.set_default_dtype(old)
 
 
-@pytest.fixture(params=["torch", "numpy"])
-def kernel(request, monkeypatch):
-    """Each of the two kernels behind ``value_and_grad`` (small CPU calls go to the numpy one by
-    default); the numpy one is required to have served the test's calls."""
-    from pyrobdl.flat import numpy_kernel
-
-    monkeypatch.setattr(FlatLogJoint, "numpy_kernel", request.param == "numpy")
-    calls = []
-    for name in ("value_and_grad", "log_likelihood"):
-        real = getattr(numpy_kernel, name)
-        monkeypatch.setattr(numpy_kernel, name, lambda *a, real=real: calls.append(1) or real(*a))
-    yield request.param
-    assert bool(calls) == (request.param == "numpy")
-
-
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """|a - b| / max(|b|, 1), elementwise maximum."""
     return float(((a - b).abs() / b.abs().clamp_min(1.0)).max())
@@ -111,7 +96,7 @@ def pyro_value_and_grad(potential_fn, layout: FlatLayout, theta_row: torch.Tenso
 @pytest.mark.parametrize("hidden, activation", ARCHITECTURES, ids=lambda v: str(v))
 @pytest.mark.parametrize("likelihood", list(LIKELIHOODS))
 @pytest.mark.parametrize("prior", list(PRIORS))
-def test_equals_pyros_potential(float64, kernel, prior, likelihood, hidden, activation):
+def test_equals_pyros_potential(float64, flat_kernel, prior, likelihood, hidden, activation):
     model = make_model(prior, likelihood, hidden, activation)
     x, y = make_data(model)
     lj = FlatLogJoint(model, x, y)
@@ -136,7 +121,7 @@ def test_equals_pyros_potential(float64, kernel, prior, likelihood, hidden, acti
 
 @pytest.mark.parametrize("hidden, activation", ARCHITECTURES, ids=lambda v: str(v))
 @pytest.mark.parametrize("likelihood", ["gaussian-2", "learned-1", "categorical-3"])
-def test_without_biases_equals_pyros_potential(float64, kernel, likelihood, hidden, activation):
+def test_without_biases_equals_pyros_potential(float64, flat_kernel, likelihood, hidden, activation):
     """``BayesianMLP(bias=False)`` (NumPyro's BNN example has no biases): no bias sites in the
     layout, and value and gradient are still Pyro's potential and its autograd gradient."""
     lik, out = LIKELIHOODS[likelihood]
@@ -158,7 +143,7 @@ def test_without_biases_equals_pyros_potential(float64, kernel, likelihood, hidd
         assert grad_err(g_twin[row], g_ref) < TOL64
 
 
-def test_minibatch_equals_pyros_subsampled_potential(float64, kernel):
+def test_minibatch_equals_pyros_subsampled_potential(float64, flat_kernel):
     """With indices ``idx`` the value is Pyro's potential under ``plate("data", subsample=idx)``."""
     model = make_model("per_layer", "learned-2", (4, 3), "tanh")
     x, y = make_data(model, n=10)
@@ -187,7 +172,7 @@ def assert_same_calls(fast, ref, theta, idxs) -> None:
 # ------------------------------------------------------------------ 2. the autograd twin
 @pytest.mark.parametrize("hidden, activation", ARCHITECTURES, ids=lambda v: str(v))
 @pytest.mark.parametrize("likelihood", ["gaussian-2", "learned-1", "categorical-3"])
-def test_gradient_equals_autograd_twin(float64, kernel, likelihood, hidden, activation):
+def test_gradient_equals_autograd_twin(float64, flat_kernel, likelihood, hidden, activation):
     model = make_model("per_layer", likelihood, hidden, activation)
     x, y = make_data(model, n=10)
     lj = FlatLogJoint(model, x, y)
@@ -203,7 +188,7 @@ def test_gradient_equals_autograd_twin(float64, kernel, likelihood, hidden, acti
 
 @pytest.mark.parametrize("hidden, activation", ARCHITECTURES, ids=lambda v: str(v))
 @pytest.mark.parametrize("likelihood", ["gaussian-2", "learned-1", "categorical-3"])
-def test_forward_only_log_likelihood_equals_the_autograd_twins(float64, kernel, likelihood, hidden, activation):
+def test_forward_only_log_likelihood_equals_the_autograd_twins(float64, flat_kernel, likelihood, hidden, activation):
     """log_likelihood (the score-function path's forward pass) is the twin's scaled likelihood,
     log_joint(prior=False), for the full data, one minibatch and a minibatch per row."""
     model = make_model("per_layer", likelihood, hidden, activation)
@@ -252,7 +237,7 @@ def log_prior_by_hand(model, lj: FlatLogJoint, theta: torch.Tensor) -> torch.Ten
 
 
 @pytest.mark.parametrize("likelihood", ["gaussian-1", "learned-2", "categorical-3"])
-def test_minibatch_scales_the_likelihood_by_n_over_b(float64, kernel, likelihood):
+def test_minibatch_scales_the_likelihood_by_n_over_b(float64, flat_kernel, likelihood):
     """N = 12, B = 4: the likelihood of the minibatch counts N/B = 3 times, exactly as the full
     log joint of a dataset made of the minibatch repeated three times."""
     model = make_model("scalar", likelihood, (5,), "tanh")
@@ -542,7 +527,7 @@ def test_sample_prior_moments():
 
 # --------------------------------------------------------------------------------- 6. float32
 @pytest.mark.parametrize("likelihood", ["gaussian-2", "learned-1", "categorical-3"])
-def test_float32_matches_float64(likelihood, kernel):
+def test_float32_matches_float64(likelihood, flat_kernel):
     """float32 evaluates the same function: relative errors below 1e-5.  Reason: float32 rounds at
     6e-8 (half of eps 1.2e-7); the value sums ~100 terms (prior over 33-45 weights, N * out
     likelihood terms) and each term passes a handful of rounded ops, so the worst-case linear

@@ -146,7 +146,7 @@ def check_equal(model, guide, x, y, idx, *, analytic, beta, num_particles):
 @pytest.mark.parametrize("case", DROPOUT_CASES, ids=lambda c: "-".join(map(str, c)))
 @pytest.mark.parametrize("kind, kl", [("bernoulli", "analytic"), ("bernoulli", "monte_carlo"), ("gaussian", "analytic")])
 @pytest.mark.parametrize("num_particles, minibatch", [(1, False), (3, True)])
-def test_dropout_equals_pyro(float64, case, kind, kl, num_particles, minibatch):
+def test_dropout_equals_pyro(float64, flat_kernel, case, kind, kl, num_particles, minibatch):
     prior, lik, hidden, act = case
     pyro.set_rng_seed(0)
     out = LIKELIHOODS[lik][1]
@@ -206,7 +206,7 @@ def vd_setup(case, variant, local, seed):
 @pytest.mark.parametrize("local", [True, False], ids=["local", "weights"])
 @pytest.mark.parametrize("kl", ["analytic", "monte_carlo"])
 @pytest.mark.parametrize("num_particles, minibatch", [(1, False), (3, True)])
-def test_variational_dropout_equals_pyro(float64, case, variant, local, kl, num_particles, minibatch):
+def test_variational_dropout_equals_pyro(float64, flat_kernel, case, variant, local, kl, num_particles, minibatch):
     model, guide = vd_setup(case, variant, local, seed=1)
     x, y = make_data(model)
     x[0] = 0.0  # a zero input row: the pre-activation variance hits the messenger's floor
@@ -322,7 +322,7 @@ def test_score_function_guide_is_packed_but_stays_off_the_flat_path():
     (True, lambda m: VariationalDropout(m, init_log_sigma2=-3.0)),
     (True, lambda m: VariationalDropout(m, init_log_sigma2=-3.0, local_reparameterization=False)),
 ], ids=["dropout", "variational_dropout", "variational_dropout-weights"])
-def test_flat_path_without_biases_equals_the_distribution_path(float64, log_uniform, make):
+def test_flat_path_without_biases_equals_the_distribution_path(float64, flat_kernel, log_uniform, make):
     """A model built with bias=False (no bias sites): same seed, same draws, so the flat and the
     distribution paths give the same loss and gradients up to float64 rounding."""
     prior = pyrobdl.priors.LogUniform() if log_uniform else pyrobdl.priors.Gaussian(1.0)

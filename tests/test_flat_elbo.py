@@ -73,7 +73,7 @@ def rel(a, b):
 @pytest.mark.parametrize("kl", ["analytic", "monte_carlo"])
 @pytest.mark.parametrize("num_particles", [1, 3])
 @pytest.mark.parametrize("minibatch", [False, True])
-def test_mean_field_equals_pyro(float64, case, kl, num_particles, minibatch):
+def test_mean_field_equals_pyro(float64, flat_kernel, case, kl, num_particles, minibatch):
     prior, lik, hidden, act = case
     pyro.set_rng_seed(0)
     model = make_model(prior, lik, hidden, act)
@@ -103,7 +103,7 @@ def test_mean_field_equals_pyro(float64, case, kl, num_particles, minibatch):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 @pytest.mark.parametrize("kl", ["analytic", "monte_carlo"])
 @pytest.mark.parametrize("num_particles, minibatch", [(1, False), (3, True)])
-def test_mean_field_local_reparameterization_equals_pyro(float64, case, kl, num_particles, minibatch):
+def test_mean_field_local_reparameterization_equals_pyro(float64, flat_kernel, case, kl, num_particles, minibatch):
     """With local reparameterization the flat path samples every layer's pre-activations, as
     :class:`~pyrobdl.poutine.LocalReparameterizationMessenger` does under Pyro's ELBOs; the noise
     of both (the weights' draws, which still enter a Monte Carlo KL, and the pre-activations')
@@ -128,7 +128,7 @@ def test_mean_field_local_reparameterization_equals_pyro(float64, case, kl, num_
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 @pytest.mark.parametrize("beta", [1.0, 0.3])
-def test_map_equals_pyro(float64, case, beta):
+def test_map_equals_pyro(float64, flat_kernel, case, beta):
     prior, lik, hidden, act = case
     pyro.set_rng_seed(1)
     model = make_model(prior, lik, hidden, act)

@@ -51,12 +51,16 @@ class NumpyPlan:
 def usable(lj: Any, theta: torch.Tensor, idx: torch.Tensor | None) -> bool:
     """Whether :func:`value_and_grad` serves this call: CPU, float32/64, no gradient tracking, one
     minibatch for every row (or none) and few enough activations."""
+    return not theta.requires_grad and usable_rows(lj, theta.shape[0], idx)
+
+
+def usable_rows(lj: Any, rows: int, idx: torch.Tensor | None) -> bool:
+    """:func:`usable` for ``rows`` rows (or particles) without autograd."""
     if lj.device.type != "cpu" or lj.dtype not in (torch.float32, torch.float64):
         return False
-    if theta.requires_grad or (idx is not None and idx.dim() != 1):
+    if idx is not None and idx.dim() != 1:
         return False
-    rows = theta.shape[0] * (lj.num_data if idx is None else idx.shape[0])
-    return rows * lj._widest <= MAX_NUMPY_ELEMENTS
+    return rows * (lj.num_data if idx is None else idx.shape[0]) * lj._widest <= MAX_NUMPY_ELEMENTS
 
 
 def value_and_grad(lj: Any, theta: torch.Tensor, idx: torch.Tensor | None, prior: bool) -> tuple[torch.Tensor, torch.Tensor]:
