@@ -46,14 +46,14 @@ def data_dir() -> Path:
 def flat_kernel(request, monkeypatch):
     """Each of the two implementations behind the flat paths' value and gradient: the torch kernel,
     and the numpy twin that small CPU calls go to by default (pyrobdl/flat/numpy_kernel.py,
-    pyrobdl/inference/numpy_lrt.py); with "numpy" the test must have been served by it."""
+    pyrobdl/inference/numpy_elbo.py); with "numpy" the test must have been served by it."""
     from pyrobdl.flat import FlatLogJoint, numpy_kernel
-    from pyrobdl.inference import numpy_lrt
+    from pyrobdl.inference import numpy_elbo
 
     monkeypatch.setattr(FlatLogJoint, "numpy_kernel", request.param == "numpy")
     calls = []
     for module, name in ((numpy_kernel, "value_and_grad"), (numpy_kernel, "log_likelihood"),
-                         (numpy_lrt, "lrt_likelihood")):
+                         (numpy_elbo, "lrt_likelihood"), (numpy_elbo, "normal_loss_and_grad")):
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, real=real: calls.append(1) or real(*a))
     yield request.param

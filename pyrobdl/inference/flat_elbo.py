@@ -61,6 +61,7 @@ import torch
 
 from .._grad import no_grad
 from ..flat import FlatLogJoint
+from . import numpy_elbo
 
 __all__ = ["FlatELBO", "delta_loss_and_grad", "flat_support", "normal_loss_and_grad"]
 
@@ -340,6 +341,8 @@ def normal_loss_and_grad(
     ``beta`` may be a 0-d tensor; ``functional``: no ``out=`` writes and no branch on ``beta``
     (for ``torch.compile``, :mod:`pyrobdl.inference.flat_step`; the same operations otherwise).
     """
+    if numpy_elbo.normal_usable(lj, eps, kl_terms, subsample, beta, preactivations, functional):
+        return numpy_elbo.normal_loss_and_grad(lj, kl_terms, loc, rho, eps, subsample, beta)  # small CPU steps
     s = eps.shape[0]
     sigma = torch.nn.functional.softplus(rho)
     theta = torch.addcmul(loc, sigma, eps)  # [S, P]

@@ -31,7 +31,7 @@ from .._grad import no_grad
 from ..flat import FlatLogJoint
 from ..guides import variational_dropout as _vd
 from ..guides.variational_dropout import KINGMA_CONSTANTS, LOG_ALPHA_RANGE, MOLCHANOV_CONSTANTS, _EPS
-from . import numpy_lrt as _numpy_lrt
+from . import numpy_elbo as _numpy_elbo
 from .flat_dropout import _HALF_LOG_2PI, _precision_terms
 
 __all__ = ["NormalLRTPlan", "VDPlan", "normal_lrt_noise", "vd_loss_and_grads", "vd_noise"]
@@ -168,8 +168,8 @@ def _lrt_likelihood(
     :math:`\partial s = (g\epsilon/2\sqrt v)^\top h^2`, :math:`\partial b = \sum_n g`,
     :math:`\partial h = g\mu + 2h\odot(g\epsilon/2\sqrt v)\,s`.
     """
-    if _numpy_lrt.usable(lj, theta.shape[0], idx, functional):  # small CPU steps: the numpy twin
-        return _numpy_lrt.lrt_likelihood(plan, lj, mu, var, theta, idx, noise, _VAR_FLOOR)
+    if _numpy_elbo.usable(lj, theta.shape[0], idx, functional):  # small CPU steps: the numpy twin
+        return _numpy_elbo.lrt_likelihood(plan, lj, mu, var, theta, idx, noise, _VAR_FLOOR)
     x = lj.x if idx is None else lj.x[idx]
     c = lj.const  # numbers as 0-d tensors (the same bits; numbers while torch.compile traces)
     relu = plan.activation == "relu"

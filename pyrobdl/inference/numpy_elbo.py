@@ -1,11 +1,18 @@
-"""The locally reparameterized likelihood of :mod:`pyrobdl.inference.flat_vd` in numpy, for small CPU steps.
+"""Pieces of the flat ELBO paths in numpy, for small CPU steps.
 
-:func:`~pyrobdl.inference.flat_vd._lrt_likelihood` (variational dropout and mean field with local
-reparameterization) is ~100 small tensor operations a step at the quickstart's sizes, each
-dispatch-bound; the same algebra on numpy arrays (views of the tensors' memory) costs a third to
-a half of the CPU time (``comparisons/benchmarks/numpy_kernel.py``, the same reason as
-:mod:`pyrobdl.flat.numpy_kernel`, whose size rule it shares).  Equal to the torch version up to
-float rounding (``tests/test_flat_vd.py`` runs its tests on both).
+At the quickstart's sizes a flat SVI step is dispatch-bound: each of its ~80-180 small tensor
+operations costs 1.5-3 CPU µs, the same operation on a numpy array of a few hundred numbers
+0.5-1 µs (``comparisons/benchmarks/numpy_kernel.py``; the same reason as
+:mod:`pyrobdl.flat.numpy_kernel`, whose size rule these share).  Here, on numpy views of the
+tensors' memory, with the torch versions' algebra:
+
+- :func:`lrt_likelihood`: :func:`~pyrobdl.inference.flat_vd._lrt_likelihood` (variational dropout
+  and mean field with local reparameterization), 122 against 233 CPU µs a call at gap's shape;
+- :func:`normal_loss_and_grad`: :func:`~pyrobdl.inference.flat_elbo.normal_loss_and_grad` for a
+  mean-field guide with weight draws and the closed-form KL (no learned precision).
+
+Equal to the torch versions up to float rounding: the flat paths' Pyro-equality tests run on both
+(``tests/conftest.py``, fixture ``flat_kernel``).
 """
 
 from __future__ import annotations
@@ -110,3 +117,50 @@ def _output_log_lik(npl, lj, f, y, theta, scale):
         return dt(scale) * ll, r * (dt(scale) * tau)[:, None, None], du
     ll = dt(b * lj._lik_const_point) - dt(0.5 * lj._tau) * sq
     return dt(scale) * ll, r * dt(scale * lj._tau), None
+
+
+def normal_usable(lj: Any, eps: torch.Tensor, kl_terms: tuple, subsample: torch.Tensor | None, beta: Any,
+                  preactivations: Any, functional: bool) -> bool:
+    """Whether :func:`normal_loss_and_grad` serves a mean-field step: weight draws (no local
+    reparameterization), the closed-form KL, no learned precision, a number as the KL weight, and the
+    log joint's numpy rule at the step's particles."""
+    return (preactivations is None and not functional and kl_terms[2] and lj.precision_index is None
+            and isinstance(beta, (int, float)) and usable(lj, eps.shape[0], subsample, False))
+
+
+def normal_loss_and_grad(lj: Any, kl_terms: tuple, loc: torch.Tensor, rho: torch.Tensor, eps: torch.Tensor,
+                         subsample: torch.Tensor | None, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`~pyrobdl.inference.flat_elbo.normal_loss_and_grad` (same arguments and outputs) where
+    :func:`normal_usable` holds, computed in numpy."""
+    npl = lj._numpy_plan
+    if npl is None:
+        npl = lj._numpy_plan = _nk.NumpyPlan(lj)
+    prec, kl_const, _ = kl_terms
+    mu, r, e, pr = (t.detach().numpy() for t in (loc, rho, eps, prec))
+    idx = None if subsample is None else subsample.numpy()
+    with np.errstate(all="ignore"):
+        loss, grad = _normal_np(npl, lj, mu, r, e, pr, kl_const, idx, beta)
+    return torch.from_numpy(np.asarray(loss)), torch.from_numpy(grad)
+
+
+def _normal_np(npl, lj, loc, rho, eps, prec, kl_const, idx, beta):
+    dt = loc.dtype.type
+    s, p = eps.shape
+    # softplus with torch's threshold: rho itself above 20
+    sigma = np.where(rho > dt(20.0), rho, np.log1p(np.exp(np.minimum(rho, dt(20.0)))))
+    theta = loc + sigma * eps  # [S, P]
+    ll, g = _nk.value_and_grad_np(npl, lj, theta, idx, False)
+    kl = dt(kl_const) - np.log(sigma).sum() + dt(0.5) * (prec * (sigma * sigma + loc * loc)).sum()
+    d_loc = prec * loc
+    d_sigma = prec * sigma - dt(1.0) / sigma
+    if s == 1:
+        g_loc, g_sigma = g[0], g[0] * eps[0]
+    else:
+        g_loc, g_sigma = g.mean(0), (g * eps).mean(0)
+    if beta != 1.0:
+        d_loc, d_sigma, kl = d_loc * dt(beta), d_sigma * dt(beta), kl * dt(beta)
+    loss = (kl - ll).mean(dtype=loc.dtype)
+    grad = np.empty(2 * p, dtype=loc.dtype)
+    grad[:p] = d_loc - g_loc
+    grad[p:] = (d_sigma - g_sigma) / (dt(1.0) + np.exp(-rho))  # d sigma / d rho = sigmoid(rho)
+    return loss, grad
