@@ -45,10 +45,14 @@ import pyrobdl  # noqa: E402
 N, D, H = 1000, 8, 50
 #: an option of a variant (not of fit): run bbvi's elbo="direct_score_function" without the flat path
 OLD_PATH = "_distributions_path"
+#: a variant's option key: run it with the flat path's torch kernel only (FlatLogJoint.numpy_kernel off),
+#: beside the default, where small CPU steps go to the numpy twin (issue 41, twelfth session)
+TORCH_KERNEL = "_torch_kernel"
 
 #: name -> (method, options)
 VARIANTS = {
     "mean_field (flat path)": ("mean_field", {}),
+    "mean_field (flat path, torch kernel only)": ("mean_field", {TORCH_KERNEL: True}),
     "mean_field, MC KL (flat path)": ("mean_field", {"kl": "monte_carlo"}),
     # issue 41: ELBO, gradient and Adam in one torch.compile graph (compiled in the warm-up)
     "mean_field, compiled step (elbo=direct_compiled)": ("mean_field", {"elbo": "direct_compiled"}),
@@ -61,10 +65,12 @@ VARIANTS = {
     "gaussian_dropout, compiled step (elbo=direct_compiled)": ("gaussian_dropout", {"elbo": "direct_compiled"}),
     "mean_field, 4 particles (flat path)": ("mean_field", {"num_particles": 4}),
     "map (flat path)": ("map", {}),
+    "map (flat path, torch kernel only)": ("map", {TORCH_KERNEL: True}),
     "dropout (flat path)": ("dropout", {}),
     "dropout, MC KL (flat path)": ("dropout", {"kl": "monte_carlo"}),
     "gaussian_dropout (flat path)": ("gaussian_dropout", {}),
     "variational_dropout (flat path, local reparam)": ("variational_dropout", {}),
+    "variational_dropout (flat path, local reparam, torch kernel only)": ("variational_dropout", {TORCH_KERNEL: True}),
     "variational_dropout, weights sampled (flat path)": ("variational_dropout", {"local_reparameterization": False}),
     "mean_field (distributions path)": ("mean_field", {"elbo": "distributions"}),
     "dropout (distributions path)": ("dropout", {"elbo": "distributions"}),
@@ -106,6 +112,14 @@ def plain_torch_step(x, y, batch: int, steps: int, fused: bool = False) -> tuple
 
 def pyrobdl_step(x, y, batch: int, steps: int, method: str, options: dict, threads: int) -> tuple[float, float]:
     options = dict(options)
+    if options.pop(TORCH_KERNEL, False):
+        from pyrobdl.flat import FlatLogJoint
+
+        FlatLogJoint.numpy_kernel = False
+        try:
+            return pyrobdl_step(x, y, batch, steps, method, options, threads)
+        finally:
+            FlatLogJoint.numpy_kernel = True
     if options.pop(OLD_PATH, False):  # the flat path refuses, so make_elbo falls back (issue 41)
         from unittest import mock
 
