@@ -23,9 +23,10 @@ from typing import Any
 import numpy as np
 import torch
 
-#: Use the numpy kernel when rows x data points x the widest layer is at most this (and on the CPU):
-#: measured at gap's shape (N = 80, 1 x 10) and wine's (N = 1,439, 1 x 50) in
-#: ``comparisons/benchmarks/numpy_kernel.py``.
+#: Use the numpy kernel when rows x data points x the widest layer is at most this (and on the CPU).
+#: ``comparisons/benchmarks/numpy_kernel.py`` (2026-11-29, CPU µs a call, numpy / torch): gap's shape
+#: (N = 80, 1 x 10) 0.39x at 800 elements, 0.80x at 12,800, 1.38x at 51,200; wine's (N = 1,439,
+#: 1 x 50) 1.30x at 71,950: the crossover near 25,000, this bound below it.
 MAX_NUMPY_ELEMENTS = 16384
 
 
@@ -48,6 +49,13 @@ class NumpyPlan:
         self.u = lj._prec_slice.start if lj._learned else None
 
 
+def plan_of(lj: Any) -> NumpyPlan:
+    """The :class:`NumpyPlan` of ``lj``, made at its first use and kept on it."""
+    if lj._numpy_plan is None:
+        lj._numpy_plan = NumpyPlan(lj)
+    return lj._numpy_plan
+
+
 def usable(lj: Any, theta: torch.Tensor, idx: torch.Tensor | None) -> bool:
     """Whether :func:`value_and_grad` serves this call: CPU, float32/64, no gradient tracking, one
     minibatch for every row (or none) and few enough activations."""
@@ -66,9 +74,7 @@ def usable_rows(lj: Any, rows: int, idx: torch.Tensor | None) -> bool:
 def value_and_grad(lj: Any, theta: torch.Tensor, idx: torch.Tensor | None, prior: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Log joint ``[K]`` and gradient ``[K, P]`` of ``lj`` at ``theta`` ``[K, P]`` (the torch kernel's
     contract: ``idx`` ``[B]`` scales the likelihood by N/B), computed in numpy."""
-    plan = lj._numpy_plan
-    if plan is None:
-        plan = lj._numpy_plan = NumpyPlan(lj)
+    plan = plan_of(lj)
     t = theta.detach()
     with np.errstate(all="ignore"):  # overflow gives inf and nan silently, as in torch (the callers check)
         logp, grad = value_and_grad_np(plan, lj, t.numpy() if t.is_contiguous() else t.contiguous().numpy(),
@@ -107,31 +113,14 @@ def value_and_grad_np(plan: NumpyPlan, lj: Any, theta: np.ndarray, idx: np.ndarr
 def log_likelihood(lj: Any, theta: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:
     """The scaled log-likelihood ``[K]`` (:meth:`FlatLogJoint.log_likelihood
     <pyrobdl.flat.FlatLogJoint.log_likelihood>`'s contract), the forward pass alone, in numpy."""
-    plan = lj._numpy_plan
-    if plan is None:
-        plan = lj._numpy_plan = NumpyPlan(lj)
+    plan = plan_of(lj)
     t = theta.detach()
     theta_np = t.numpy() if t.is_contiguous() else t.contiguous().numpy()
     x, y, scale = (plan.x, plan.y, 1.0) if idx is None else (plan.x[idx.numpy()], plan.y[idx.numpy()],
                                                              lj.num_data / idx.shape[0])
-    k, b = theta_np.shape[0], x.shape[0]
     with np.errstate(all="ignore"):
-        f = _forward(plan, theta_np, x, k)[2]
-        dt = theta_np.dtype.type
-        if plan.classification:
-            z = f - f.max(-1, keepdims=True)
-            rows, points = np.ogrid[:k, :b]
-            ll = (z[rows, points, y] - np.log(np.exp(z).sum(-1))).sum(1)
-        else:
-            r = y - f
-            sq = (r * r).sum((1, 2))
-            if plan.learned:
-                u = theta_np[:, plan.u]
-                ll = dt(0.5 * r.shape[1] * r.shape[2]) * (u - dt(_LOG_2PI)) - dt(0.5) * np.exp(u) * sq
-            else:
-                ll = dt(b * lj._lik_const_point) - dt(0.5 * lj._tau) * sq
-        if scale != 1.0:
-            ll = ll * dt(scale)
+        f = _forward(plan, theta_np, x, theta_np.shape[0])[2]
+        ll = output_log_lik(plan, lj, f, y, theta_np, scale)[0]
     return torch.from_numpy(np.ascontiguousarray(ll))
 
 
@@ -158,30 +147,46 @@ def _likelihood(plan: NumpyPlan, lj: Any, f: np.ndarray, y: np.ndarray, theta: n
                 logp: np.ndarray, scale: float, prior: bool, k: int, b: int) -> np.ndarray:
     """Add the scaled log-likelihood of outputs ``f`` ``[K, B, O]`` (and a learned precision's terms) into
     ``logp`` and ``grad``; return ``dlogp/df``."""
+    ll, gf, du = output_log_lik(plan, lj, f, y, theta, scale)
+    logp += ll
+    if du is not None:
+        dt = theta.dtype.type
+        grad[:, plan.u] += du
+        if prior:
+            u = theta[:, plan.u]
+            tau = np.exp(u)
+            logp += dt(lj._gamma_const) + dt(lj._a) * u - dt(lj._b) * tau
+            grad[:, plan.u] += dt(lj._a) - dt(lj._b) * tau
+    return gf
+
+
+def output_log_lik(plan: NumpyPlan, lj: Any, f: np.ndarray, y: np.ndarray, theta: np.ndarray, scale: float
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """:meth:`FlatLogJoint.output_log_lik_and_grad <pyrobdl.flat.FlatLogJoint.output_log_lik_and_grad>` on
+    arrays: the scaled log-likelihood ``[K]`` of outputs ``f`` ``[K, B, O]`` for targets ``y``, its
+    derivative in ``f``, and in a learned precision's u (else None)."""
     dt = theta.dtype.type
+    k, b = f.shape[0], f.shape[1]
     if plan.classification:
         z = f - f.max(-1, keepdims=True)
         e = np.exp(z)
-        s = e.sum(-1, keepdims=True)
+        tot = e.sum(-1, keepdims=True)
         rows, points = np.ogrid[:k, :b]
-        logp += dt(scale) * (z[rows, points, y] - np.log(s[..., 0])).sum(1)
-        gf = -(e / s)
+        ll = (z[rows, points, y] - np.log(tot[..., 0])).sum(1)
+        gf = -(e / tot)
         gf[rows, points, y] += dt(1.0)
-        return gf * dt(scale) if scale != 1.0 else gf
+        return dt(scale) * ll, gf * dt(scale) if scale != 1.0 else gf, None
     r = y - f  # [K, B, O]
     sq = (r * r).sum((1, 2))
     if plan.learned:
         u = theta[:, plan.u]
         tau = np.exp(u)
         m = r.shape[1] * r.shape[2]
-        logp += dt(scale) * (dt(0.5 * m) * (u - dt(_LOG_2PI)) - dt(0.5) * tau * sq)
-        grad[:, plan.u] += dt(scale) * (dt(0.5 * m) - dt(0.5) * tau * sq)
-        if prior:
-            logp += dt(lj._gamma_const) + dt(lj._a) * u - dt(lj._b) * tau
-            grad[:, plan.u] += dt(lj._a) - dt(lj._b) * tau
-        return r * (dt(scale) * tau)[:, None, None]
-    logp += dt(-0.5 * lj._tau * scale) * sq + dt(scale * b * lj._lik_const_point)
-    return r * dt(scale * lj._tau)
+        ll = dt(0.5 * m) * (u - dt(_LOG_2PI)) - dt(0.5) * tau * sq
+        du = dt(scale) * (dt(0.5 * m) - dt(0.5) * tau * sq)
+        return dt(scale) * ll, r * (dt(scale) * tau)[:, None, None], du
+    ll = dt(b * lj._lik_const_point) - dt(0.5 * lj._tau) * sq
+    return dt(scale) * ll, r * dt(scale * lj._tau), None
 
 
 _LOG_2PI = float(np.log(2.0 * np.pi))

@@ -38,9 +38,7 @@ def lrt_likelihood(plan: Any, lj: Any, mu: torch.Tensor, var: torch.Tensor, thet
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`~pyrobdl.inference.flat_vd._lrt_likelihood` (same arguments and outputs; ``floor``: its
     variance floor), computed in numpy."""
-    npl = lj._numpy_plan
-    if npl is None:
-        npl = lj._numpy_plan = _nk.NumpyPlan(lj)
+    npl = _nk.plan_of(lj)
     arr = [t.detach().numpy() if t.is_contiguous() else t.detach().contiguous().numpy() for t in (mu, var, theta)]
     eps = [e.detach().numpy() for e in noise]
     i = None if idx is None else idx.numpy()
@@ -71,7 +69,7 @@ def _lrt_np(plan, npl, lj, mu, var, theta, idx, eps, floor):
         saved.append((h, h2, half_inv_sd))
         if i < last:
             h = np.maximum(a, dt(0.0)) if relu else np.tanh(a)
-    ll, g, du = _output_log_lik(npl, lj, a, y, theta, scale)
+    ll, g, du = _nk.output_log_lik(npl, lj, a, y, theta, scale)
     if du is not None:
         g_theta[:, npl.u] = du
     for i in range(last, -1, -1):
@@ -92,33 +90,6 @@ def _lrt_np(plan, npl, lj, mu, var, theta, idx, eps, floor):
     return ll, g_mu, g_var, g_theta
 
 
-def _output_log_lik(npl, lj, f, y, theta, scale):
-    """:meth:`FlatLogJoint.output_log_lik_and_grad <pyrobdl.flat.FlatLogJoint.output_log_lik_and_grad>`
-    on arrays: the scaled log-likelihood ``[S]``, its derivative in ``f`` and in a learned precision's u."""
-    dt = theta.dtype.type
-    s, b = f.shape[0], f.shape[1]
-    if npl.classification:
-        z = f - f.max(-1, keepdims=True)
-        e = np.exp(z)
-        tot = e.sum(-1, keepdims=True)
-        rows, points = np.ogrid[:s, :b]
-        ll = (z[rows, points, y] - np.log(tot[..., 0])).sum(1)
-        gf = -(e / tot)
-        gf[rows, points, y] += dt(1.0)
-        return dt(scale) * ll, gf * dt(scale), None
-    r = y - f
-    sq = (r * r).sum((1, 2))
-    if npl.learned:
-        u = theta[:, npl.u]
-        tau = np.exp(u)
-        m = r.shape[1] * r.shape[2]
-        ll = dt(0.5 * m) * (u - dt(_nk._LOG_2PI)) - dt(0.5) * tau * sq
-        du = dt(scale) * (dt(0.5 * m) - dt(0.5) * tau * sq)
-        return dt(scale) * ll, r * (dt(scale) * tau)[:, None, None], du
-    ll = dt(b * lj._lik_const_point) - dt(0.5 * lj._tau) * sq
-    return dt(scale) * ll, r * dt(scale * lj._tau), None
-
-
 def normal_usable(lj: Any, eps: torch.Tensor, kl_terms: tuple, subsample: torch.Tensor | None, beta: Any,
                   preactivations: Any, functional: bool) -> bool:
     """Whether :func:`normal_loss_and_grad` serves a mean-field step: weight draws (no local
@@ -132,9 +103,7 @@ def normal_loss_and_grad(lj: Any, kl_terms: tuple, loc: torch.Tensor, rho: torch
                          subsample: torch.Tensor | None, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`~pyrobdl.inference.flat_elbo.normal_loss_and_grad` (same arguments and outputs) where
     :func:`normal_usable` holds, computed in numpy."""
-    npl = lj._numpy_plan
-    if npl is None:
-        npl = lj._numpy_plan = _nk.NumpyPlan(lj)
+    npl = _nk.plan_of(lj)
     prec, kl_const, _ = kl_terms
     mu, r, e, pr = (t.detach().numpy() for t in (loc, rho, eps, prec))
     idx = None if subsample is None else subsample.numpy()
