@@ -56,6 +56,11 @@ class FlatLogJoint:
         The packing of the sites.
     num_data : int
         N.
+    numpy_kernel : bool
+        Class attribute, default True: calls of at most
+        :data:`~pyrobdl.flat.numpy_kernel.MAX_NUMPY_ELEMENTS` activations on the CPU (rows x data
+        points x the widest layer) run the kernel's numpy twin (:mod:`pyrobdl.flat.numpy_kernel`,
+        2-3x less CPU time at one row of a small network); False: always the torch kernel.
 
     Raises
     ------
