@@ -9,7 +9,9 @@ tensors' memory, with the torch versions' algebra:
 - :func:`lrt_likelihood`: :func:`~pyrobdl.inference.flat_vd._lrt_likelihood` (variational dropout
   and mean field with local reparameterization), 122 against 233 CPU µs a call at gap's shape;
 - :func:`normal_loss_and_grad`: :func:`~pyrobdl.inference.flat_elbo.normal_loss_and_grad` for a
-  mean-field guide with weight draws and the closed-form KL (no learned precision).
+  mean-field guide with weight draws and the closed-form KL (no learned precision);
+- :func:`vd_loss_and_grads`: :func:`~pyrobdl.inference.flat_vd.vd_loss_and_grads` (variational
+  dropout, every variant and KL, no learned precision).
 
 Equal to the torch versions up to float rounding: the flat paths' Pyro-equality tests run on both
 (``tests/conftest.py``, fixture ``flat_kernel``).
@@ -23,6 +25,8 @@ import numpy as np
 import torch
 
 from ..flat import numpy_kernel as _nk
+from ..guides import variational_dropout as _vd
+from ..guides.variational_dropout import KINGMA_CONSTANTS, LOG_ALPHA_RANGE, MOLCHANOV_CONSTANTS, _EPS
 
 
 def usable(lj: Any, particles: int, idx: torch.Tensor | None, functional: bool) -> bool:
@@ -116,7 +120,7 @@ def _normal_np(npl, lj, loc, rho, eps, prec, kl_const, idx, beta):
     dt = loc.dtype.type
     s, p = eps.shape
     # softplus with torch's threshold: rho itself above 20
-    sigma = np.where(rho > dt(20.0), rho, np.log1p(np.exp(np.minimum(rho, dt(20.0)))))
+    sigma = _softplus(rho)
     theta = loc + sigma * eps  # [S, P]
     ll, g = _nk.value_and_grad_np(npl, lj, theta, idx, False)
     kl = dt(kl_const) - np.log(sigma).sum() + dt(0.5) * (prec * (sigma * sigma + loc * loc)).sum()
@@ -133,3 +137,112 @@ def _normal_np(npl, lj, loc, rho, eps, prec, kl_const, idx, beta):
     grad[:p] = d_loc - g_loc
     grad[p:] = (d_sigma - g_sigma) / (dt(1.0) + np.exp(-rho))  # d sigma / d rho = sigmoid(rho)
     return loss, grad
+
+
+def vd_usable(lj: Any, eps: torch.Tensor, idx: torch.Tensor | None, beta: Any, functional: bool) -> bool:
+    """Whether :func:`vd_loss_and_grads` serves a variational-dropout step: no learned precision, a number
+    as the KL weight, the log joint's numpy rule at the step's particles."""
+    return (lj.precision_index is None and isinstance(beta, (int, float)) and not isinstance(beta, bool)
+            and usable(lj, eps.shape[0], idx, functional))
+
+
+def vd_loss_and_grads(guide: Any, plan: Any, lj: Any, loc: torch.Tensor, spread: torch.Tensor, noise: dict,
+                      idx: torch.Tensor | None, analytic_kl: bool, beta: float, floor: float
+                      ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """:func:`~pyrobdl.inference.flat_vd.vd_loss_and_grads` (same arguments and outputs; ``floor``: the
+    locally reparameterized variances' floor) where :func:`vd_usable` holds, computed in numpy."""
+    npl = _nk.plan_of(lj)
+    arr = [t.detach().numpy() for t in (loc, spread, noise["eps"])]
+    pre = [e.detach().numpy() for e in noise["preactivations"]] if guide.local_reparameterization else None
+    index = (plan.sparse.numpy(), plan.other.numpy())
+    with np.errstate(all="ignore"):
+        loss, grad = _vd_np(guide, plan, npl, lj, *arr, pre, None if idx is None else idx.numpy(), analytic_kl,
+                            beta, floor, *index)
+    return torch.from_numpy(np.asarray(loss)), [torch.from_numpy(grad)]
+
+
+def _vd_np(guide, plan, npl, lj, loc, spread, eps, pre, idx, analytic, beta, floor, sparse, other):
+    dt = loc.dtype.type
+    s, size = eps.shape
+    ps = sparse.size
+    # the scales (flat_vd._vd_scales)
+    theta_s = loc[sparse]
+    log_sigma2 = spread[:ps]
+    log_theta2 = np.log(theta_s * theta_s + dt(_EPS))
+    low, high = LOG_ALPHA_RANGE
+    capped = None
+    if not guide.sparse:  # Kingma et al.: the variance of q itself is capped at theta^2
+        capped = log_sigma2 >= log_theta2
+        log_sigma2 = np.minimum(log_sigma2, log_theta2)
+        high = 0.0
+    raw = log_sigma2 - log_theta2
+    sig_s = np.exp(dt(0.5) * log_sigma2)
+    sigma = np.zeros_like(loc)
+    sigma[sparse] = sig_s
+    rho_o = spread[ps:]
+    if other.size:
+        sigma[other] = _softplus(rho_o)
+    theta = loc + sigma * eps  # [S, P]; point sites have sigma = 0
+    if pre is not None:
+        ll, g_mu, g_var, g = _lrt_np(plan, npl, lj, loc, sig_s * sig_s, theta, idx, pre, floor)
+        g_mu, g_var = g_mu / dt(s), g_var / dt(s)
+    else:
+        ll, g = _nk.value_and_grad_np(npl, lj, theta, idx, False)
+    G = -g  # d(loss)/dw per particle and coordinate
+    d_sig = np.zeros_like(sig_s)
+    w_s, e_s = theta[:, sparse], eps[:, sparse]
+    if analytic:
+        kl_w, slope = _kl_and_slope(np.clip(raw, dt(low), dt(high)), guide.approximation, dt)
+        kl = np.full(s, kl_w.sum(), dtype=loc.dtype)
+        d_la = slope * dt(beta) * ((raw >= dt(low)) & (raw <= dt(high)))  # the clip's derivative
+    else:
+        kl = (dt(-0.5) * e_s * e_s - dt(_HALF_LOG_2PI) + np.log(np.abs(w_s))).sum(-1) - log_sigma2.sum() * dt(0.5)
+        G[:, sparse] += dt(beta) / w_s
+        d_sig = d_sig - dt(beta) / sig_s
+        d_la = None
+    # the chain rule to the parameters (flat_vd._vd_chain_rule)
+    grad_loc = G.mean(0)
+    grad_sig = d_sig + (G[:, sparse] * e_s).mean(0)
+    if pre is not None:
+        grad_loc -= g_mu
+        grad_sig = grad_sig - dt(2.0) * sig_s * g_var
+    d_ls = dt(0.5) * sig_s * grad_sig
+    grad_theta_s = grad_loc[sparse]
+    dlt2 = dt(2.0) * theta_s / (theta_s * theta_s + dt(_EPS))
+    if d_la is not None:
+        d_ls = d_ls + d_la
+        grad_theta_s = grad_theta_s - d_la * dlt2
+    if capped is not None:  # the capped log sigma^2 is log theta^2: its derivative goes to theta
+        grad_theta_s = grad_theta_s + np.where(capped, d_ls * dlt2, dt(0.0))
+        d_ls = np.where(capped, dt(0.0), d_ls)
+    grad_loc[sparse] = grad_theta_s
+    grad = np.empty(size + spread.shape[0], dtype=loc.dtype)
+    grad[:size] = grad_loc
+    grad[size : size + ps] = d_ls
+    if other.size:  # the other sites' softplus scales
+        grad[size + ps :] = (G[:, other] * eps[:, other]).mean(0) / (dt(1.0) + np.exp(-rho_o))
+    return (kl * dt(beta) - ll).mean(dtype=loc.dtype), grad
+
+
+def _kl_and_slope(log_alpha: np.ndarray, approximation: str, dt: Any) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`~pyrobdl.inference.flat_vd._kl_and_slope` on an array: the value from
+    :func:`~pyrobdl.guides.variational_dropout.kl_log_uniform` itself (the one formula the registered
+    KL uses), its derivative in log alpha written out."""
+    kl = _vd.kl_log_uniform(torch.from_numpy(log_alpha), approximation).numpy()
+    if approximation == "molchanov":
+        k1, k2, k3 = MOLCHANOV_CONSTANTS
+        t = dt(1.0) / (dt(1.0) + np.exp(-(dt(k2) + dt(k3) * log_alpha)))
+        return kl, dt(-k1 * k3) * t * (dt(1.0) - t) - dt(0.5) / (dt(1.0) + np.exp(log_alpha))
+    if approximation == "kingma":
+        _, c1, c2, c3 = KINGMA_CONSTANTS
+        a = np.exp(log_alpha)
+        return kl, -(dt(0.5) + a * (dt(c1) + a * (dt(2.0 * c2) + a * dt(3.0 * c3))))
+    return kl, dt(-0.5) / (dt(1.0) + np.exp(log_alpha))  # "ard" (kl_log_uniform refused any other)
+
+
+def _softplus(x: np.ndarray) -> np.ndarray:
+    """torch's softplus: ``log(1 + exp(x))``, and ``x`` itself above 20."""
+    return np.where(x > 20.0, x, np.log1p(np.exp(np.minimum(x, 20.0))))
+
+
+_HALF_LOG_2PI = 0.5 * float(np.log(2.0 * np.pi))
