@@ -75,10 +75,9 @@ def value_and_grad(lj: Any, theta: torch.Tensor, idx: torch.Tensor | None, prior
     """Log joint ``[K]`` and gradient ``[K, P]`` of ``lj`` at ``theta`` ``[K, P]`` (the torch kernel's
     contract: ``idx`` ``[B]`` scales the likelihood by N/B), computed in numpy."""
     plan = plan_of(lj)
-    t = theta.detach()
     with np.errstate(all="ignore"):  # overflow gives inf and nan silently, as in torch (the callers check)
-        logp, grad = value_and_grad_np(plan, lj, t.numpy() if t.is_contiguous() else t.contiguous().numpy(),
-                                       None if idx is None else idx.numpy(), prior)
+        # (Tensor.numpy() is a view whatever the strides: no copy for a non-contiguous theta either)
+        logp, grad = value_and_grad_np(plan, lj, theta.detach().numpy(), None if idx is None else idx.numpy(), prior)
     return torch.from_numpy(logp), torch.from_numpy(grad)
 
 
@@ -114,8 +113,7 @@ def log_likelihood(lj: Any, theta: torch.Tensor, idx: torch.Tensor | None) -> to
     """The scaled log-likelihood ``[K]`` (:meth:`FlatLogJoint.log_likelihood
     <pyrobdl.flat.FlatLogJoint.log_likelihood>`'s contract), the forward pass alone, in numpy."""
     plan = plan_of(lj)
-    t = theta.detach()
-    theta_np = t.numpy() if t.is_contiguous() else t.contiguous().numpy()
+    theta_np = theta.detach().numpy()
     x, y, scale = (plan.x, plan.y, 1.0) if idx is None else (plan.x[idx.numpy()], plan.y[idx.numpy()],
                                                              lj.num_data / idx.shape[0])
     with np.errstate(all="ignore"):

@@ -43,7 +43,7 @@ def lrt_likelihood(plan: Any, lj: Any, mu: torch.Tensor, var: torch.Tensor, thet
     """:func:`~pyrobdl.inference.flat_vd._lrt_likelihood` (same arguments and outputs; ``floor``: its
     variance floor), computed in numpy."""
     npl = _nk.plan_of(lj)
-    arr = [t.detach().numpy() if t.is_contiguous() else t.detach().contiguous().numpy() for t in (mu, var, theta)]
+    arr = [t.detach().numpy() for t in (mu, var, theta)]
     eps = [e.detach().numpy() for e in noise]
     i = None if idx is None else idx.numpy()
     with np.errstate(all="ignore"):
@@ -119,7 +119,6 @@ def normal_loss_and_grad(lj: Any, kl_terms: tuple, loc: torch.Tensor, rho: torch
 def _normal_np(npl, lj, loc, rho, eps, prec, kl_const, idx, beta):
     dt = loc.dtype.type
     s, p = eps.shape
-    # softplus with torch's threshold: rho itself above 20
     sigma = _softplus(rho)
     theta = loc + sigma * eps  # [S, P]
     ll, g = _nk.value_and_grad_np(npl, lj, theta, idx, False)
