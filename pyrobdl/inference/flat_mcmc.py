@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, NamedTuple
 
+import numpy as np
 import pyro
 import pyro.distributions as dist
 import torch
@@ -31,6 +32,8 @@ from pyro.infer.mcmc.nuts import _logaddexp, _TreeInfo
 from pyro.ops.integrator import _EXCEPTION_HANDLERS
 from pyro.poutine.block_messenger import BlockMessenger
 from pyro.poutine.runtime import _PYRO_STACK
+
+from . import numpy_mcmc
 
 __all__ = ["FlatTrajectory", "FlatTree"]
 
@@ -67,6 +70,11 @@ def _numbers(like: torch.Tensor, *values: float) -> tuple:
     return tuple(torch.tensor(v, dtype=like.dtype) for v in values)
 
 
+def _array(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's memory as an array (no copy)."""
+    return t.detach().numpy()
+
+
 def _mul(matrix: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     """Pyro's ``_matvecmul`` on a one-site block (its ``torch.cat`` of one tensor is a copy)."""
     return matrix.mul(r) if matrix.dim() == 1 else matrix.matmul(r)
@@ -90,12 +98,36 @@ class _FlatSiteKernel:
     """What both mixins share: the flat site's name, potential and counter, and the gradient step."""
 
     _flat: tuple[str, Callable, Any] | None = None
+    _numpy_energy: Callable | None = None
+    #: Run the tree and trajectory in numpy (:mod:`pyrobdl.inference.numpy_mcmc`) when the site has a
+    #: numpy potential; False: always the torch operations (Pyro's chain bit for bit).
+    numpy_tree = True
 
-    def use_flat_site(self, name: str, energy_and_grad: Callable, counter: Any) -> None:
+    def use_flat_site(self, name: str, energy_and_grad: Callable, counter: Any,
+                      numpy_energy: Callable | None = None) -> None:
         """Run on the one site ``name``: ``energy_and_grad(u) -> (U, dU/du)`` as plain tensors (Pyro's
         ``potential_grad`` without autograd), each call counted on ``counter.calls`` as Pyro's
-        evaluations of the counted potential are."""
+        evaluations of the counted potential are; ``numpy_energy(u) -> (dU/du, U)`` the same on numpy
+        arrays, where the site has it (then the tree runs in numpy, see :attr:`numpy_tree`)."""
         self._flat = (name, energy_and_grad, counter)
+        self._numpy_energy = numpy_energy
+
+    def _numpy_context(self, z: torch.Tensor, step: float, log_slice: Any, energy_current: Any):
+        """The :class:`numpy_mcmc.Context` of one doubling or trajectory, or None where the tree runs on
+        tensors (no numpy potential, or :attr:`numpy_tree` off)."""
+        if self._numpy_energy is None or not self.numpy_tree:
+            return None
+        name, _, counter = self._flat
+        energy = self._numpy_energy
+
+        def counted(u: np.ndarray) -> tuple[np.ndarray, np.generic]:
+            counter.calls += 1
+            return energy(u)
+
+        key = (name,)
+        adapter = self.mass_matrix_adapter
+        return numpy_mcmc.context(counted, adapter.inverse_mass_matrix[key], adapter._mass_matrix_sqrt_inverse[key],
+                                  step, log_slice, energy_current, self._max_sliced_energy, _array(z).dtype)
 
     def _flat_energy(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``potential_grad`` of Pyro on the flat site: (gradient, potential energy)."""
@@ -137,6 +169,9 @@ class FlatTree(_FlatSiteKernel):
         key = (name,)
         adapter = self.mass_matrix_adapter
         step = self.step_size if direction == 1 else -self.step_size
+        ctx_np = self._numpy_context(z[name], step, log_slice, energy_current)
+        if ctx_np is not None:
+            return self._numpy_tree(ctx_np, z[name], r[name], z_grads[name], direction, tree_depth)
         # the adapter's matrices of the one block (read per doubling: adaptation replaces them)
         ctx = (adapter.inverse_mass_matrix[key], adapter._mass_matrix_sqrt_inverse[key],
                _numbers(energy_current, 0.5 * step, step, 0.5, 2.0), log_slice, energy_current)
@@ -147,6 +182,19 @@ class FlatTree(_FlatSiteKernel):
                          d(t.r_right), u(t.r_right_unscaled), d(t.z_right_grads), d(t.z_proposal), t.z_proposal_pe,
                          d(t.z_proposal_grads), u(t.r_sum), t.weight, t.turning, t.diverging, t.sum_accept_probs,
                          t.num_proposals)
+
+    def _numpy_tree(self, ctx, z, r, z_grads, direction, depth):
+        """:meth:`_build_tree` in numpy (:func:`numpy_mcmc.tree`), its arrays returned as Pyro's tensors."""
+        with np.errstate(all="ignore"):  # an overflowing energy is infinite, as in torch
+            t = numpy_mcmc.tree(ctx, _array(z), _array(r), _array(z_grads), direction, depth)
+        name = self._flat[0]
+        d = lambda v: {name: torch.from_numpy(v)}  # noqa: E731
+        u = lambda v: {(name,): torch.from_numpy(v)}  # noqa: E731
+        s = lambda v: torch.from_numpy(np.asarray(v))  # noqa: E731
+        return _TreeInfo(d(t.z_left), d(t.r_left), u(t.r_left_unscaled), d(t.z_left_grads), d(t.z_right),
+                         d(t.r_right), u(t.r_right_unscaled), d(t.z_right_grads), d(t.z_proposal), s(t.z_proposal_pe),
+                         d(t.z_proposal_grads), u(t.r_sum), s(t.weight), t.turning, t.diverging,
+                         s(t.sum_accept_probs), t.num_proposals)
 
     def _flat_leaf(self, z, r, z_grads, ctx) -> _Tree:
         """Pyro's ``_build_basetree``: one velocity Verlet step and the new state's energy."""
@@ -222,9 +270,15 @@ class FlatTrajectory(_FlatSiteKernel):
         energy_current = self._kinetic_energy(r_unscaled) + potential_energy
         u, p, g = z[name], r[name], z_grads[name]
         inverse_mass, step = self.mass_matrix_adapter.inverse_mass_matrix[(name,)], self.step_size
-        steps = _numbers(u, 0.5 * step, step)
-        for _ in range(self.num_steps):
-            u, p, g, potential_energy_new = self._flat_step(u, p, g, steps, inverse_mass)
+        ctx_np = self._numpy_context(u, step, None, None)
+        if ctx_np is not None:
+            with np.errstate(all="ignore"):
+                u, p, g, pe = numpy_mcmc.trajectory(ctx_np, _array(u), _array(p), _array(g), self.num_steps)
+            u, p, g, potential_energy_new = (torch.from_numpy(np.asarray(v)) for v in (u, p, g, pe))
+        else:
+            steps = _numbers(u, 0.5 * step, step)
+            for _ in range(self.num_steps):
+                u, p, g, potential_energy_new = self._flat_step(u, p, g, steps, inverse_mass)
         z_new, z_grads_new = {name: u}, {name: g}
         energy_proposal = self._kinetic_energy(self.mass_matrix_adapter.unscale({name: p})) + potential_energy_new
         delta_energy = energy_proposal - energy_current

@@ -292,7 +292,7 @@ def _run_chain(model: Any, x: torch.Tensor, y: torch.Tensor, method: str, potent
     kernel = _make_kernel(method, counter, transforms, options)
     kernel._start_recording(counter)
     if flat is not None:  # _NUTS and _HMC run their trajectories on the one tensor
-        kernel.use_flat_site(flat.NAME, flat.energy_and_grad, counter)
+        kernel.use_flat_site(flat.NAME, flat.energy_and_grad, counter, flat.numpy_energy())
     bar = _chain_bar(method, chain, options, progress)
     mcmc = MCMC(kernel, num_samples=options["num_samples"], warmup_steps=options["num_warmup"],
                 initial_params=init, disable_progbar=True, transforms=transforms,

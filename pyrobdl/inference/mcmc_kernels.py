@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Mapping
 
+import numpy as np
 import torch
 from pyro.infer.mcmc import HMC, NUTS
 
@@ -222,6 +223,27 @@ class _FlatSite:
             theta = u if self.to_layout is None else u[self.to_layout]
             value, grad = self.lj.value_and_grad(theta.unsqueeze(0))
             return value[0], grad[0] if self.to_pyro is None else grad[0, self.to_pyro]
+
+    def numpy_energy(self) -> Callable | None:
+        """``u -> (dU/du, U)`` on numpy arrays (Pyro's order; :mod:`pyrobdl.flat.numpy_kernel`), for the
+        numpy tree (:mod:`pyrobdl.inference.numpy_mcmc`); None where that kernel does not serve one row
+        (not on the CPU in float32/64, too much data, or ``FlatLogJoint.numpy_kernel`` off).  The same
+        floats as :meth:`energy_and_grad` with the numpy kernel (the permutations and the negation are exact)."""
+        from ..flat import numpy_kernel
+
+        lj = self.lj
+        if not (lj.numpy_kernel and numpy_kernel.usable_rows(lj, 1, None)):
+            return None
+        plan = numpy_kernel.plan_of(lj)
+        to_layout = None if self.to_layout is None else self.to_layout.numpy()
+        to_pyro = None if self.to_pyro is None else self.to_pyro.numpy()
+
+        def energy(u: np.ndarray) -> tuple[np.ndarray, np.generic]:
+            theta = (u if to_layout is None else u[to_layout])[None]
+            value, grad = numpy_kernel.value_and_grad_np(plan, lj, theta, None, True)
+            return -(grad[0] if to_pyro is None else grad[0, to_pyro]), -value[0]
+
+        return energy
 
     def energy_and_grad(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The potential energy at ``u`` and its gradient, Pyro's ``potential_grad`` without autograd:
