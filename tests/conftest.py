@@ -54,7 +54,7 @@ def flat_kernel(request, monkeypatch):
     calls = []
     for module, name in ((numpy_kernel, "value_and_grad"), (numpy_kernel, "log_likelihood"),
                          (numpy_elbo, "lrt_likelihood"), (numpy_elbo, "normal_loss_and_grad"),
-                         (numpy_elbo, "vd_loss_and_grads")):
+                         (numpy_elbo, "vd_loss_and_grads"), (numpy_elbo, "score_loss_and_grad")):
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, real=real: calls.append(1) or real(*a))
     yield request.param

@@ -10,7 +10,7 @@ import torch
 
 import pyrobdl
 from pyrobdl.guides import ScoreFunction
-from pyrobdl.inference import DirectScoreFunctionELBO, make_elbo
+from pyrobdl.inference import DirectScoreFunctionELBO, make_elbo, numpy_elbo
 from pyrobdl.inference.flat_score_function import FlatScoreFunctionELBO, flat_score_function_support
 
 # float64 throughout: the two paths sum the same numbers in different orders (per-site sums by a
@@ -66,9 +66,13 @@ def _assert_same(a, b):
 @pytest.mark.parametrize("likelihood", list(LIKELIHOODS))
 @pytest.mark.parametrize("analytic_kl", [False, True])
 @pytest.mark.parametrize("baseline", ["none", "decaying_average", "leave_one_out", "vargrad"])
-def test_value_and_gradient_equal_the_direct_path(baseline, analytic_kl, likelihood):
+def test_value_and_gradient_equal_the_direct_path(baseline, analytic_kl, likelihood, flat_kernel, monkeypatch):
     """Three consecutive steps (the decaying average carries over), minibatch and full batch,
-    KL weight 1 and 0.6, tanh and relu, two hidden layers, float64."""
+    KL weight 1 and 0.6, tanh and relu, two hidden layers, float64; on the torch kernel and on the
+    numpy twin (which serves every case but the learned precision's)."""
+    served = []
+    real = numpy_elbo.score_loss_and_grad
+    monkeypatch.setattr(numpy_elbo, "score_loss_and_grad", lambda *a: served.append(1) or real(*a))
     for activation in ("tanh", "relu"):
         for subsample in (torch.tensor([0, 3, 4, 7, 9, 11]), None):
             for beta in (1.0, 0.6):
@@ -79,10 +83,11 @@ def test_value_and_gradient_equal_the_direct_path(baseline, analytic_kl, likelih
                     loss_fn.kl_weight = beta
                     results.append(_steps(loss_fn, guide, x, y, subsample))
                 _assert_same(*results)
+    assert bool(served) == (flat_kernel == "numpy" and likelihood != "learned_precision")
 
 
 @pytest.mark.parametrize("hidden, num_particles", [((), 2), ((5,), 1), ((4, 3, 2), 4)])
-def test_depth_and_particles(hidden, num_particles):
+def test_depth_and_particles(hidden, num_particles, flat_kernel):
     """No hidden layer, one, three; a single particle (baseline "none")."""
     baseline = "none" if num_particles == 1 else "vargrad"
     results = []
@@ -153,7 +158,7 @@ def test_make_elbo_takes_the_flat_path_and_falls_back():
 
 
 @pytest.mark.parametrize("options", [{}, {"baseline": "decaying_average", "kl": "analytic", "batch_size": 8, "kl_warmup": 3}])
-def test_fit_equals_the_old_path(options):
+def test_fit_equals_the_old_path(options, flat_kernel):
     """pyrobdl.fit(method="bbvi") on the flat path and on DirectScoreFunctionELBO: same draws, so
     the same trajectory up to float32 rounding (six Adam steps)."""
     x, y = torch.randn(24, 2), torch.randn(24)

@@ -44,6 +44,7 @@ import torch
 
 from .._grad import no_grad
 from ..flat import FlatLayout, FlatLogJoint
+from . import numpy_elbo
 from .flat_elbo import _FlatLoss
 from .score_function_direct import _BASELINES, DirectScoreFunctionELBO
 
@@ -121,6 +122,7 @@ class FlatScoreFunctionELBO(DirectScoreFunctionELBO):
         self._sites = [(sl.start, sl.stop, sl.shape) for sl in (layout[s.name] for s in layout.sites)]
         # the site of every coordinate, and a [D, S] indicator that sums coordinates to sites
         self._site_index = torch.cat([torch.full((b - a,), k) for k, (a, b, _) in enumerate(self._sites)])
+        self._site_starts = [a for a, _, _ in self._sites]  # the numpy twin's site sums (np.add.reduceat)
         self._lj: FlatLogJoint | None = None
         self._data: tuple[torch.Tensor, torch.Tensor] | None = None
         self._flat_average: torch.Tensor | None = None  # the decaying averages [P, S]
@@ -157,10 +159,11 @@ class FlatScoreFunctionELBO(DirectScoreFunctionELBO):
             self._lj, self._data = lj, (x, y)
         return self._lj
 
-    def draw(self, sigma: torch.Tensor) -> torch.Tensor:
-        """Standard normals ``[P, D]``, one ``[P, *shape]`` draw per site in order (``Normal.sample``'s)."""
+    def draw(self, like: torch.Tensor) -> torch.Tensor:
+        """Standard normals ``[P, D]`` of ``like``'s dtype and device, one ``[P, *shape]`` draw per site in
+        order (``Normal.sample``'s)."""
         p = self.num_particles
-        return torch.cat([torch.randn(p, *shape, dtype=sigma.dtype, device=sigma.device).reshape(p, -1)
+        return torch.cat([torch.randn(p, *shape, dtype=like.dtype, device=like.device).reshape(p, -1)
                           for _, _, shape in self._sites], 1)
 
     # ---------------------------------------------------------------------------- the step
@@ -194,10 +197,13 @@ class FlatScoreFunctionELBO(DirectScoreFunctionELBO):
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         lj = self._log_joint(x, y)
         v = self._vector
+        eps = self.draw(v) if noise is None else noise
+        if numpy_elbo.score_usable(self, lj, eps, subsample):  # small CPU steps
+            loss, grad = numpy_elbo.score_loss_and_grad(self, lj, v, eps, subsample)
+            return loss, [grad]
         d = lj.size
         loc, rho = v[:d], v[d:]
         sigma = torch.nn.functional.softplus(rho)
-        eps = self.draw(sigma) if noise is None else noise
         theta = (eps * sigma).add_(loc)  # as torch.normal(loc, scale): draw, scale, shift
         ll = lj.log_likelihood(theta, subsample)  # [P]: the forward pass alone
         beta = self.kl_weight

@@ -11,7 +11,10 @@ tensors' memory, with the torch versions' algebra:
 - :func:`normal_loss_and_grad`: :func:`~pyrobdl.inference.flat_elbo.normal_loss_and_grad` for a
   mean-field guide with weight draws and the closed-form KL (no learned precision);
 - :func:`vd_loss_and_grads`: :func:`~pyrobdl.inference.flat_vd.vd_loss_and_grads` (variational
-  dropout, every variant and KL, no learned precision).
+  dropout, every variant and KL, no learned precision);
+- :func:`score_loss_and_grad`: the score-function step of
+  :class:`~pyrobdl.inference.flat_score_function.FlatScoreFunctionELBO` (BBVI: every baseline, both
+  KL treatments, no learned precision).
 
 Equal to the torch versions up to float rounding: the flat paths' Pyro-equality tests run on both
 (``tests/conftest.py``, fixture ``flat_kernel``).
@@ -237,6 +240,73 @@ def _kl_and_slope(log_alpha: np.ndarray, approximation: str, dt: Any) -> tuple[n
         a = np.exp(log_alpha)
         return kl, -(dt(0.5) + a * (dt(c1) + a * (dt(2.0 * c2) + a * dt(3.0 * c3))))
     return kl, dt(-0.5) / (dt(1.0) + np.exp(log_alpha))  # "ard" (kl_log_uniform refused any other)
+
+
+def score_usable(est: Any, lj: Any, eps: torch.Tensor, subsample: torch.Tensor | None) -> bool:
+    """Whether :func:`score_loss_and_grad` serves a BBVI step: no learned precision, a number as the KL
+    weight, the log joint's numpy rule at the step's particles."""
+    beta = est.kl_weight
+    return (lj.precision_index is None and isinstance(beta, (int, float)) and not isinstance(beta, bool)
+            and usable(lj, eps.shape[0], subsample, False))
+
+
+def score_loss_and_grad(est: Any, lj: Any, vector: torch.Tensor, eps: torch.Tensor, subsample: torch.Tensor | None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:meth:`FlatScoreFunctionELBO._loss_and_grads
+    <pyrobdl.inference.flat_score_function.FlatScoreFunctionELBO>`'s loss and gradient (the packed
+    vector ``[loc, rho]``, standard normals ``eps`` ``[P, D]``) where :func:`score_usable` holds, in numpy;
+    a decaying-average baseline's state is kept on ``est`` as the torch path keeps it."""
+    npl = _nk.plan_of(lj)
+    v, e = vector.detach().numpy(), eps.detach().numpy()
+    idx = None if subsample is None else subsample.numpy()
+    old = est._flat_average
+    with np.errstate(all="ignore"):
+        loss, grad, average = _score_np(est, npl, lj, v, e, idx, None if old is None else old.numpy())
+    if average is not None:
+        est._flat_average = torch.from_numpy(average)
+    return torch.from_numpy(np.asarray(loss)), torch.from_numpy(grad)
+
+
+def _score_np(est, npl, lj, v, eps, idx, old):
+    dt = v.dtype.type
+    p, d = eps.shape
+    loc, rho = v[:d], v[d:]
+    sigma = _softplus(rho)
+    theta = eps * sigma + loc  # [P, D]
+    x, y, scale = (npl.x, npl.y, 1.0) if idx is None else (npl.x[idx], npl.y[idx], lj.num_data / idx.shape[0])
+    ll = _nk.output_log_lik(npl, lj, _nk._forward(npl, theta, x, p)[2], y, theta, scale)[0]  # [P]
+    prec = lj._prior_prec.numpy()
+    # log p - log q per coordinate (Gaussian prior): -prec theta^2/2 + eps^2/2 + log sigma + log(prec)/2
+    elem = (theta * theta) * (dt(-0.5) * prec) + dt(0.5) * (eps * eps) + (np.log(sigma) + est._half_log_prec.numpy())
+    own = np.add.reduceat(elem, est._site_starts, axis=1) * est._own_sites.numpy()  # [P, S]
+    beta = est.kl_weight
+    if beta != 1.0:
+        own = own * dt(beta)
+    whole = own.sum(1) + ll
+    cost = own + ll[:, None]
+    average = None
+    if est.baseline == "leave_one_out":
+        cost = cost - (cost.sum(0) - cost) / dt(p - 1)
+    elif est.baseline == "vargrad":
+        cost = np.broadcast_to(((whole - whole.mean()) * dt(p / (p - 1)))[:, None], cost.shape)
+    elif est.baseline == "decaying_average":
+        if old is None or old.shape != cost.shape:
+            old = np.zeros_like(cost)
+        average = dt(est.beta) * old + dt(1 - est.beta) * cost
+        cost = cost - old
+    c = cost[:, est._index.numpy()]  # [P, D]
+    inv = (dt(1.0) / sigma) * dt(-1.0 / p)
+    g_loc = (c * eps).sum(0) * inv
+    g_sigma = (c * (eps * eps - dt(1.0))).sum(0) * inv
+    kl = 0.0
+    if est.analytic_kl:
+        mask = est._gaussian.numpy()
+        kl = (dt(est._kl_const) - np.where(mask, np.log(sigma), dt(0.0)).sum()
+              + dt(0.5) * (prec * (sigma * sigma + loc * loc)).sum()) * dt(beta)
+        g_loc = g_loc + prec * loc * dt(beta)
+        g_sigma = g_sigma + np.where(mask, prec * sigma - dt(1.0) / sigma, dt(0.0)) * dt(beta)
+    grad = np.concatenate([g_loc, g_sigma / (dt(1.0) + np.exp(-rho))])  # d sigma / d rho = sigmoid(rho)
+    return dt(kl) - whole.mean(), grad, average
 
 
 def _softplus(x: np.ndarray) -> np.ndarray:
