@@ -342,11 +342,11 @@ def test_contract_and_gradient_accounting(monkeypatch):
     in_search, searches = [], []
     real_vg, real_search = FlatLogJoint.value_and_grad, chees._Sampler.find_step_size
 
-    def counting_vg(self, theta, idx=None):
+    def counting_vg(self, theta, idx=None, **kw):
         n = theta.shape[0] if theta.dim() == 2 else 1
         rows["all"] += n
         rows["search"] += n if in_search else 0
-        return real_vg(self, theta, idx)
+        return real_vg(self, theta, idx, **kw)
 
     def counting_search(self, *a, **k):
         searches.append(1)

@@ -279,6 +279,30 @@ def test_chunks_equal_one_call(float64, chunk_size):
     assert value.shape == (7,) and grad.shape == (7, whole.size)
 
 
+@pytest.mark.parametrize("likelihood", ["gaussian-1", "gaussian-2", "learned-2", "categorical-3"])
+@pytest.mark.parametrize("chunk_size", [None, 3])
+def test_gradient_without_the_value_is_the_same_gradient(likelihood, chunk_size):
+    # value=False (chees's inner leapfrog steps): the torch kernel skips the fixed-precision Gaussian's
+    # value sums and returns None for it; the gradient's bits are unchanged, and the other likelihoods
+    # (whose value is part of the gradient's computation) still return the value
+    model = make_model("per_layer", likelihood, (4, 3), "tanh")
+    x, y = make_data(model)
+    lj = FlatLogJoint(model, x, y, chunk_size=chunk_size)
+    lj.numpy_kernel = False  # the torch kernel: the one that skips
+    theta = lj.sample_prior(7, generator=torch.Generator().manual_seed(4))
+    for idx in (None, torch.tensor([1, 5, 9])):
+        for prior in (True, False):
+            value, grad = lj.value_and_grad(theta, idx, prior=prior)
+            skipped, same = lj.value_and_grad(theta, idx, prior=prior, value=False)
+            assert torch.equal(same, grad)
+            if likelihood.startswith("gaussian"):
+                assert skipped is None
+            else:
+                assert torch.equal(skipped, value)
+    v1, g1 = lj.value_and_grad(theta[0], value=False)
+    assert torch.equal(g1, lj.value_and_grad(theta[0])[1]) and (v1 is None) == likelihood.startswith("gaussian")
+
+
 @needs_cxx
 @pytest.mark.parametrize("case", [("per_layer", "learned-2", (4, 3), "tanh"), ("scalar", "categorical-3", (5,), "relu")],
                          ids=["tanh-learned", "relu-categorical"])

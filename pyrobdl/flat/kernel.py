@@ -21,12 +21,15 @@ import torch
 
 
 def value_and_grad(
-    lj: Any, theta: torch.Tensor, idx: torch.Tensor | None, prior: bool = True, functional: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
+    lj: Any, theta: torch.Tensor, idx: torch.Tensor | None, prior: bool = True, functional: bool = False,
+    value: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Log joint ``[K]`` and gradient ``[K, P]`` of ``lj`` (a FlatLogJoint) at ``theta`` ``[K, P]``.
 
     ``idx``: minibatch indices ``[B]`` or ``[K, B]`` (the likelihood scaled by N/B), or None;
-    ``functional``: no ``out=`` writes (for ``torch.compile``).  Call under ``torch.no_grad``.
+    ``functional``: no ``out=`` writes (for ``torch.compile``); ``value=False``: for a Gaussian likelihood
+    of fixed precision the log joint is not summed and None is returned in its place (the gradient's
+    operations are the same, so its bits are too).  Call under ``torch.no_grad``.
     """
     x1, y, scale = batch(lj, idx)
     per_row = x1.dim() == 3  # [K, B, in+1]
@@ -34,21 +37,23 @@ def value_and_grad(
     tanh = lj._act == "tanh"
     fixed = lj.task != "classification" and not lj._learned  # a Gaussian of fixed precision tau
     lik_const = scale * b * lj._lik_const_point if fixed else 0.0  # its normaliser, added with the prior's
+    skip = fixed and not value  # the value's own operations (a leapfrog's inner steps read only the gradient)
     if prior:
         grad = theta * lj._neg_prior_prec  # d/dtheta of the Gaussian prior
         # theta * theta: theta.square() is pow(theta, 2), the same product through a copied scalar;
         # lj.const: numbers as 0-d tensors (torch copies a Python number at every tensor-scalar op)
-        logp = torch.mv(theta * theta, lj._half_neg_prior_prec).add_(lj.const(lj._prior_const + lik_const))
+        logp = None if skip else torch.mv(theta * theta, lj._half_neg_prior_prec).add_(lj.const(lj._prior_const + lik_const))
     else:
         grad = torch.zeros_like(theta)
-        logp = theta.new_full((k,), lik_const)
+        logp = None if skip else theta.new_full((k,), lik_const)
     layers = lj._weights(theta)
     last = lj._num_layers - 1
     w0aug, zs, f = _forward(x1, layers, last, tanh, per_row, k, b, lj._zero)
     if fixed:  # the likelihood's constant is in logp already: one pass less over [K]
         r = y - f
         aux = (r, None, None, None)
-        logp.add_((r * r).sum((-1, -2)), alpha=-0.5 * lj._tau * scale)
+        if not skip:
+            logp.add_((r * r).sum((-1, -2)), alpha=-0.5 * lj._tau * scale)
     else:
         ll, aux = lj._log_lik(f, y, theta)
         logp += ll if scale == 1.0 else scale * ll

@@ -318,8 +318,8 @@ class FlatLogJoint:
 
     # ----------------------------------------------------------------------------- fast path
     def value_and_grad(
-        self, theta: torch.Tensor, idx: torch.Tensor | None = None, *, prior: bool = True
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, theta: torch.Tensor, idx: torch.Tensor | None = None, *, prior: bool = True, value: bool = True
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Log joint ``[K]`` and its gradient ``[K, P]`` for flat unconstrained ``theta`` ``[K, P]``.
 
         Parameters
@@ -333,15 +333,20 @@ class FlatLogJoint:
         prior : bool, default True
             Include the log prior (:meth:`log_prior`); False gives the (scaled) log-likelihood
             alone, which variational objectives combine with their own KL terms.
+        value : bool, default True
+            False: the caller reads only the gradient (a leapfrog's inner steps), and the eager
+            torch kernel skips the value's own sums where it can (a Gaussian likelihood of fixed
+            precision; ~8% of a 64-chain call at the quickstart's gap shape), returning None for it;
+            the other paths still return it.  The gradient is the same either way, bit for bit.
 
         Returns
         -------
         (torch.Tensor, torch.Tensor)
-            The log joint and its gradient, without autograd history.
+            The log joint (or None, see ``value``) and its gradient, without autograd history.
         """
         if theta.dim() == 1:
-            v, g = self.value_and_grad(theta.unsqueeze(0), idx, prior=prior)
-            return v[0], g[0]
+            v, g = self.value_and_grad(theta.unsqueeze(0), idx, prior=prior, value=value)
+            return (None if v is None else v[0]), g[0]
         if theta.dim() != 2 or theta.shape[1] != self.size:
             raise ValueError(f"theta must have shape [K, {self.size}], got {list(theta.shape)}")
         k = theta.shape[0]
@@ -351,11 +356,13 @@ class FlatLogJoint:
         if self.chunk_size is not None and k > self.chunk_size:
             c = self.chunk_size
             rows = (lambda i: idx[i : i + c]) if idx is not None and idx.dim() == 2 else (lambda i: idx)
-            parts = [self._vg(theta[i : i + c], rows(i), prior) for i in range(0, k, c)]
-            return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-        return self._vg(theta, idx, prior)
+            parts = [self._vg(theta[i : i + c], rows(i), prior, value) for i in range(0, k, c)]
+            values = None if any(p[0] is None for p in parts) else torch.cat([p[0] for p in parts])
+            return values, torch.cat([p[1] for p in parts])
+        return self._vg(theta, idx, prior, value)
 
-    def _vg(self, theta: torch.Tensor, idx: torch.Tensor | None, prior: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _vg(self, theta: torch.Tensor, idx: torch.Tensor | None, prior: bool, value: bool = True
+            ) -> tuple[torch.Tensor | None, torch.Tensor]:
         if self._compiled is not None and idx is None and prior:
             # always in inference mode and on an inference tensor, as compiled: torch.compile guards on
             # the grad mode and on theta's dispatch keys, and the samplers call the kernel both inside
@@ -364,7 +371,7 @@ class FlatLogJoint:
                 return self._compiled(theta if theta.is_inference() else theta.clone())
         if self.numpy_kernel and _numpy_kernel.usable(self, theta, idx):
             return _numpy_kernel.value_and_grad(self, theta, idx, prior)
-        return self._value_and_grad(theta, idx, prior)
+        return self._value_and_grad(theta, idx, prior, value=value)
 
     @no_grad
     def log_likelihood(self, theta: torch.Tensor, idx: torch.Tensor | None = None) -> torch.Tensor:
@@ -464,10 +471,11 @@ class FlatLogJoint:
 
     @no_grad
     def _value_and_grad(
-        self, theta: torch.Tensor, idx: torch.Tensor | None, prior: bool = True, functional: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, theta: torch.Tensor, idx: torch.Tensor | None, prior: bool = True, functional: bool = False,
+        value: bool = True,
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
         # the hand-written kernel (pyrobdl/flat/kernel.py); functional: no out= writes (torch.compile)
-        return _kernel.value_and_grad(self, theta, idx, prior, functional)
+        return _kernel.value_and_grad(self, theta, idx, prior, functional, value)
 
     def log_prob_grad_autograd(self, theta: torch.Tensor, idx: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`log_joint` and its autograd gradient (testing and timing reference)."""

@@ -41,7 +41,8 @@ class _Sampler:
             half = 0.5 * step
             for i in range(n):
                 theta.addcmul_(scaled, p)
-                logp, grad = self.lj.value_and_grad(theta)
+                # the inner steps read only the gradient: the kernel may skip the value's sums
+                logp, grad = self.lj.value_and_grad(theta, value=i == n - 1)
                 if per_row:
                     p.addcmul_(grad, step if i < n - 1 else half)
                 else:

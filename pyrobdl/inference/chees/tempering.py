@@ -21,7 +21,8 @@ class _Tempered:
         self.lj, self.beta = lj, beta
         self.size, self.layout = lj.size, lj.layout
 
-    def value_and_grad(self, theta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def value_and_grad(self, theta: torch.Tensor, value: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tempered log joint and its gradient (``value`` is accepted and ignored: both always)."""
         full, g_full = self.lj.value_and_grad(theta)
         prior, g_prior = self.lj.log_prior(theta)
         return prior + self.beta * (full - prior), g_prior + self.beta.unsqueeze(-1) * (g_full - g_prior)
