@@ -64,17 +64,23 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("method,likelihood,dtype,options", CASES)
-def test_flat_shortcut_runs_pyros_chain_bit_for_bit(method, likelihood, dtype, options, monkeypatch):
-    # the shortcut's tensor operations (numpy_tree off): Pyro's floats exactly
+def _shortcut_and_pyro(method, likelihood, dtype, options, monkeypatch, tree="torch"):
+    """The chain with the flat shortcut (its ``tree``) and Pyro's own, in ``dtype``, and their counts."""
     lik = (lambda: pyrobdl.likelihoods.GaussianLearnedPrecision(3.0, 2.0)) if likelihood == "learned" else (
         lambda: pyrobdl.likelihoods.Gaussian(25.0))
     torch.set_default_dtype(dtype)
     try:
-        fast, used = _fit(method, lik, True, monkeypatch, **options)
+        fast, used = _fit(method, lik, True, monkeypatch, tree=tree, **options)
         pyros, unused = _fit(method, lik, False, monkeypatch, **options)
     finally:
         torch.set_default_dtype(torch.float32)
+    return fast, used, pyros, unused
+
+
+@pytest.mark.parametrize("method,likelihood,dtype,options", CASES)
+def test_flat_shortcut_runs_pyros_chain_bit_for_bit(method, likelihood, dtype, options, monkeypatch):
+    # the shortcut's tensor operations (numpy_tree off): Pyro's floats exactly
+    fast, used, pyros, unused = _shortcut_and_pyro(method, likelihood, dtype, options, monkeypatch)
     # the shortcut ran (else the comparison below would compare Pyro with itself) ...
     assert used["step"] > 100 and (method == "hmc" or used["leaf"] == used["step"])
     assert unused == {"leaf": 0, "step": 0}
@@ -152,14 +158,7 @@ NUMPY_CASES = [
 
 @pytest.mark.parametrize("method,likelihood,dtype,options", NUMPY_CASES)
 def test_numpy_tree_runs_pyros_chain_up_to_rounding(method, likelihood, dtype, options, monkeypatch):
-    lik = (lambda: pyrobdl.likelihoods.GaussianLearnedPrecision(3.0, 2.0)) if likelihood == "learned" else (
-        lambda: pyrobdl.likelihoods.Gaussian(25.0))
-    torch.set_default_dtype(dtype)
-    try:
-        fast, used = _fit(method, lik, True, monkeypatch, tree="numpy", **options)
-        pyros, _ = _fit(method, lik, False, monkeypatch, **options)
-    finally:
-        torch.set_default_dtype(torch.float32)
+    fast, used, pyros, _ = _shortcut_and_pyro(method, likelihood, dtype, options, monkeypatch, tree="numpy")
     # the numpy tree ran every leaf and step (Pyro's tree none: _fit counted only numpy's) ...
     assert used["step"] > 100 and (method == "hmc" or used["leaf"] == used["step"])
     # ... and gave Pyro's chain up to rounding: the same tree sizes and decisions, the draws within 1e-5 (a
