@@ -175,3 +175,17 @@ def test_numpy_tree_runs_pyros_chain_up_to_rounding(method, likelihood, dtype, o
                                    err_msg=field)
     assert fast.cost.gradient_evaluations == pyros.cost.gradient_evaluations
     assert max(float(v.std(1).max()) for v in fast.samples.values()) > 0
+
+
+def test_numpy_doubling_loop_counts_pyros_divergences(monkeypatch):
+    # a fixed step size too large for part of the posterior: the numpy loop (FlatTree.sample) records the
+    # divergent iterations Pyro's own NUTS.sample records, at the same iterations
+    options = dict(max_tree_depth=4, step_size=0.05, adapt_step_size=False, adapt_mass_matrix=False)
+    fast, used, pyros, _ = _shortcut_and_pyro("nuts", "fixed", torch.float64, options, monkeypatch, tree="numpy")
+    assert used["leaf"] == used["step"] > 100
+    diverging = np.asarray(fast.trace.diverging)
+    assert diverging.sum() > 0 and not diverging.all()  # some divergent iterations, and the chain moves
+    np.testing.assert_array_equal(diverging, np.asarray(pyros.trace.diverging))
+    np.testing.assert_array_equal(fast.trace.num_steps, pyros.trace.num_steps)
+    for k in fast.samples:
+        torch.testing.assert_close(fast.samples[k], pyros.samples[k], rtol=1e-5, atol=1e-5, msg=k)

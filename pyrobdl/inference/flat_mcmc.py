@@ -162,6 +162,41 @@ class FlatTree(_FlatSiteKernel):
     def _flat_applies(self) -> bool:
         return self._flat_ready() and self.use_multinomial_sampling and _statements_are_plain()
 
+    def sample(self, params):
+        """Pyro 1.9's ``NUTS.sample`` with its doubling loop in numpy (:func:`numpy_mcmc.doublings`)
+        where the tree runs in numpy; Pyro's own otherwise (and at a first call or a cleared cache)."""
+        z, potential_energy, z_grads = self._fetch_from_cache()
+        if z is None or not z or z_grads is None or not self._flat_applies() or self._numpy_energy is None \
+                or not self.numpy_tree:
+            return super().sample(params)
+        name = self._flat[0]
+        r, r_unscaled = self._sample_r(name="r_t={}".format(self._t))
+        energy_current = self._kinetic_energy(r_unscaled) + potential_energy
+        log_slice = -energy_current  # multinomial sampling (_flat_applies)
+        right = self._numpy_context(z[name], self.step_size, log_slice, energy_current)
+        left = self._numpy_context(z[name], -self.step_size, log_slice, energy_current)
+        with np.errstate(all="ignore"):  # an overflowing energy is infinite, as in torch
+            out = numpy_mcmc.doublings(right, left, _array(z[name]), _array(r[name]), _array(r_unscaled[(name,)]),
+                                       _array(z_grads[name]), self._max_tree_depth, energy_current)
+        if out.diverging and self._t >= self._warmup_steps:
+            self._divergences.append(self._t - self._warmup_steps)
+        accepted = out.proposal is not None
+        if accepted:
+            u, pe, g = out.proposal
+            z, z_grads = {name: torch.from_numpy(u)}, {name: torch.from_numpy(g)}
+            self._cache(z, torch.from_numpy(np.asarray(pe)), z_grads)
+        accept_prob = torch.from_numpy(np.asarray(out.sum_accept_probs / out.num_proposals))
+        self._t += 1
+        if self._t > self._warmup_steps:
+            n = self._t - self._warmup_steps
+            if accepted:
+                self._accept_cnt += 1
+        else:
+            n = self._t
+            self._adapter.step(self._t, z, accept_prob, z_grads)
+        self._mean_accept_prob += (accept_prob.item() - self._mean_accept_prob) / n
+        return z.copy()
+
     def _build_tree(self, z, r, z_grads, log_slice, direction, tree_depth, energy_current):
         if z_grads is None or not self._flat_applies():
             return super()._build_tree(z, r, z_grads, log_slice, direction, tree_depth, energy_current)

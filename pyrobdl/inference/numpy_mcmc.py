@@ -3,10 +3,11 @@
 :class:`~pyrobdl.inference.flat_mcmc.FlatTree` runs Pyro's tree on one tensor with Pyro's own
 operations, bit for bit.  At the quickstart's sizes (a few dozen parameters) each of those
 operations is a torch dispatch of 1.5-3 CPU µs around a few dozen numbers, and a leaf is ~20 of
-them beside the potential; the same operation in numpy costs 0.2-1 µs.  This module is that tree
-and Pyro's velocity Verlet written on numpy arrays: the same expressions in the same order, the
-same random numbers (the tree's Bernoulli draws stay torch's, :func:`_other_half`), the potential
-from :mod:`pyrobdl.flat.numpy_kernel`.  It is not bit for bit: numpy's ``dot``, ``exp`` and
+them beside the potential; the same operation in numpy costs 0.2-1 µs.  This module is that tree,
+Pyro's velocity Verlet and the doubling loop of Pyro's ``NUTS.sample`` (:func:`doublings`) written on
+numpy arrays: the same expressions in the same order, the same random numbers (every draw stays
+torch's: :func:`_other_half`, the loop's direction and acceptance), the potential from
+:mod:`pyrobdl.flat.numpy_kernel`.  It is not bit for bit: numpy's ``dot``, ``exp`` and
 ``log1p`` round differently from torch's in the last place, so a chain equals Pyro's up to float
 rounding while no accept/reject or U-turn decision falls within that rounding
 (``tests/test_numpy_mcmc.py`` holds whole chains to Pyro's own tree).
@@ -26,7 +27,7 @@ import pyro
 import pyro.distributions as dist
 import torch
 
-__all__ = ["Context", "Tree", "context", "leapfrog", "trajectory", "tree"]
+__all__ = ["Context", "Doublings", "Tree", "context", "doublings", "leapfrog", "trajectory", "tree"]
 
 
 class Tree(NamedTuple):
@@ -159,3 +160,52 @@ def tree(ctx: Context, z: np.ndarray, r: np.ndarray, z_grads: np.ndarray, direct
     return Tree(left.z_left, left.r_left, rl, left.z_left_grads, right.z_right, right.r_right, rr,
                 right.z_right_grads, proposal.z_proposal, proposal.z_proposal_pe, proposal.z_proposal_grads,
                 r_sum, weight, turning, other.diverging, sum_accept_probs, half.num_proposals + other.num_proposals)
+
+
+class Doublings(NamedTuple):
+    """What Pyro's ``NUTS.sample`` keeps of its doubling loop: the accepted proposal (state, potential
+    energy, gradient; None when no subtree was accepted), the acceptance statistic's sum and count,
+    and whether the last subtree diverged."""
+
+    proposal: tuple[np.ndarray, np.generic, np.ndarray] | None
+    sum_accept_probs: np.generic
+    num_proposals: int
+    diverging: bool
+
+
+def doublings(right: Context, left: Context, z: np.ndarray, r: np.ndarray, r_unscaled: np.ndarray,
+              z_grads: np.ndarray, max_tree_depth: int, like: torch.Tensor) -> Doublings:
+    """Pyro's ``NUTS.sample`` doubling loop (multinomial sampling) from state ``z`` with momentum ``r``:
+    the same draws from torch's generator as its ``pyro.sample`` statements outside any handler (the
+    direction a ``torch.bernoulli`` of 0.5, the subtree's acceptance a ``torch.rand``, both of
+    ``like``'s dtype), ``right`` and ``left`` the contexts of the two directions."""
+    half = torch.full((), 0.5, dtype=like.dtype)
+    z_left = z_right = z
+    r_left = r_right = r
+    ru_left = ru_right = r_unscaled
+    g_left = g_right = z_grads
+    r_sum = r_unscaled
+    sum_accept_probs, num_proposals = 0.0, 0
+    tree_weight = r_unscaled.dtype.type(0.0)
+    proposal, depth = None, 0
+    while depth < max_tree_depth:
+        direction = int(torch.bernoulli(half).item())
+        if direction == 1:
+            new = tree(right, z_right, r_right, g_right, direction, depth)
+            z_right, r_right, ru_right, g_right = new.z_right, new.r_right, new.r_right_unscaled, new.z_right_grads
+        else:
+            new = tree(left, z_left, r_left, g_left, direction, depth)
+            z_left, r_left, ru_left, g_left = new.z_left, new.r_left, new.r_left_unscaled, new.z_left_grads
+        sum_accept_probs = sum_accept_probs + new.sum_accept_probs
+        num_proposals += new.num_proposals
+        if new.diverging or new.turning:
+            return Doublings(proposal, sum_accept_probs, num_proposals, new.diverging)
+        depth += 1
+        # Uniform(0, 1).sample() is 0 + rand * (1 - 0): the draw itself
+        if float(torch.rand((), dtype=like.dtype)) < float(np.exp(new.weight - tree_weight)):
+            proposal = (new.z_proposal, new.z_proposal_pe, new.z_proposal_grads)
+        r_sum = r_sum + new.r_sum
+        if _turning(ru_left, ru_right, r_sum):
+            break
+        tree_weight = _logaddexp(tree_weight, new.weight)
+    return Doublings(proposal, sum_accept_probs, num_proposals, False)
