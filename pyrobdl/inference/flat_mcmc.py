@@ -151,6 +151,21 @@ class _FlatSiteKernel:
         r = r + half_step * (-z_grads)  # r(n+1)
         return z, r, z_grads, potential_energy
 
+    def _end_iteration(self, z: dict, z_grads: dict, accepted: bool, accept_prob: torch.Tensor) -> dict:
+        """The end of Pyro 1.9's ``HMC.sample`` and ``NUTS.sample`` (the same lines in both): the iteration
+        count, the acceptance count after warm-up or the adaptation step during it, the running mean of
+        the acceptance statistic; returns the state."""
+        self._t += 1
+        if self._t > self._warmup_steps:
+            n = self._t - self._warmup_steps
+            if accepted:
+                self._accept_cnt += 1
+        else:
+            n = self._t
+            self._adapter.step(self._t, z, accept_prob, z_grads)
+        self._mean_accept_prob += (accept_prob.item() - self._mean_accept_prob) / n
+        return z.copy()
+
     def _flat_ready(self) -> bool:
         return self._flat is not None and type(self.mass_matrix_adapter) is BlockMassMatrix
 
@@ -186,16 +201,7 @@ class FlatTree(_FlatSiteKernel):
             z, z_grads = {name: torch.from_numpy(u)}, {name: torch.from_numpy(g)}
             self._cache(z, torch.from_numpy(np.asarray(pe)), z_grads)
         accept_prob = torch.from_numpy(np.asarray(out.sum_accept_probs / out.num_proposals))
-        self._t += 1
-        if self._t > self._warmup_steps:
-            n = self._t - self._warmup_steps
-            if accepted:
-                self._accept_cnt += 1
-        else:
-            n = self._t
-            self._adapter.step(self._t, z, accept_prob, z_grads)
-        self._mean_accept_prob += (accept_prob.item() - self._mean_accept_prob) / n
-        return z.copy()
+        return self._end_iteration(z, z_grads, accepted, accept_prob)
 
     def _build_tree(self, z, r, z_grads, log_slice, direction, tree_depth, energy_current):
         if z_grads is None or not self._flat_applies():
@@ -328,13 +334,4 @@ class FlatTrajectory(_FlatSiteKernel):
         if rand < accept_prob:
             accepted, z, z_grads = True, z_new, z_grads_new
             self._cache(z, potential_energy_new, z_grads)
-        self._t += 1
-        if self._t > self._warmup_steps:
-            n = self._t - self._warmup_steps
-            if accepted:
-                self._accept_cnt += 1
-        else:
-            n = self._t
-            self._adapter.step(self._t, z, accept_prob, z_grads)
-        self._mean_accept_prob += (accept_prob.item() - self._mean_accept_prob) / n
-        return z.copy()
+        return self._end_iteration(z, z_grads, accepted, accept_prob)
