@@ -20,7 +20,7 @@ multinomial, a mass-matrix adapter other than Pyro's ``BlockMassMatrix``, or no 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import numpy as np
 import pyro
@@ -36,28 +36,6 @@ from pyro.poutine.runtime import _PYRO_STACK
 from . import numpy_mcmc
 
 __all__ = ["FlatTrajectory", "FlatTree"]
-
-
-class _Tree(NamedTuple):
-    """Pyro's ``_TreeInfo`` with one tensor where Pyro has a dictionary of one site."""
-
-    z_left: torch.Tensor
-    r_left: torch.Tensor
-    r_left_unscaled: torch.Tensor
-    z_left_grads: torch.Tensor
-    z_right: torch.Tensor
-    r_right: torch.Tensor
-    r_right_unscaled: torch.Tensor
-    z_right_grads: torch.Tensor
-    z_proposal: torch.Tensor
-    z_proposal_pe: torch.Tensor
-    z_proposal_grads: torch.Tensor
-    r_sum: torch.Tensor
-    weight: torch.Tensor
-    turning: bool
-    diverging: bool
-    sum_accept_probs: torch.Tensor
-    num_proposals: int
 
 
 def _numbers(like: torch.Tensor, *values: float) -> tuple:
@@ -178,8 +156,9 @@ class FlatTree(_FlatSiteKernel):
         return self._flat_ready() and self.use_multinomial_sampling and _statements_are_plain()
 
     def sample(self, params):
-        """Pyro 1.9's ``NUTS.sample`` with its doubling loop in numpy (:func:`numpy_mcmc.doublings`)
-        where the tree runs in numpy; Pyro's own otherwise (and at a first call or a cleared cache)."""
+        """Pyro 1.9's ``NUTS.sample`` with its doubling loop and tree in numpy (:func:`numpy_mcmc.doublings`)
+        where the site has a numpy potential; Pyro's own otherwise (and at a first call or a cleared cache,
+        whose doublings then take :meth:`_build_tree` on tensors)."""
         z, potential_energy, z_grads = self._fetch_from_cache()
         if z is None or not z or z_grads is None or not self._flat_applies() or self._numpy_energy is None \
                 or not self.numpy_tree:
@@ -210,9 +189,6 @@ class FlatTree(_FlatSiteKernel):
         key = (name,)
         adapter = self.mass_matrix_adapter
         step = self.step_size if direction == 1 else -self.step_size
-        ctx_np = self._numpy_context(z[name], step, log_slice, energy_current)
-        if ctx_np is not None:
-            return self._numpy_tree(ctx_np, z[name], r[name], z_grads[name], direction, tree_depth)
         # the adapter's matrices of the one block (read per doubling: adaptation replaces them)
         ctx = (adapter.inverse_mass_matrix[key], adapter._mass_matrix_sqrt_inverse[key],
                _numbers(energy_current, 0.5 * step, step, 0.5, 2.0), log_slice, energy_current)
@@ -224,20 +200,7 @@ class FlatTree(_FlatSiteKernel):
                          d(t.z_proposal_grads), u(t.r_sum), t.weight, t.turning, t.diverging, t.sum_accept_probs,
                          t.num_proposals)
 
-    def _numpy_tree(self, ctx, z, r, z_grads, direction, depth):
-        """:meth:`_build_tree` in numpy (:func:`numpy_mcmc.tree`), its arrays returned as Pyro's tensors."""
-        with np.errstate(all="ignore"):  # an overflowing energy is infinite, as in torch
-            t = numpy_mcmc.tree(ctx, _array(z), _array(r), _array(z_grads), direction, depth)
-        name = self._flat[0]
-        d = lambda v: {name: torch.from_numpy(v)}  # noqa: E731
-        u = lambda v: {(name,): torch.from_numpy(v)}  # noqa: E731
-        s = lambda v: torch.from_numpy(np.asarray(v))  # noqa: E731
-        return _TreeInfo(d(t.z_left), d(t.r_left), u(t.r_left_unscaled), d(t.z_left_grads), d(t.z_right),
-                         d(t.r_right), u(t.r_right_unscaled), d(t.z_right_grads), d(t.z_proposal), s(t.z_proposal_pe),
-                         d(t.z_proposal_grads), u(t.r_sum), s(t.weight), t.turning, t.diverging,
-                         s(t.sum_accept_probs), t.num_proposals)
-
-    def _flat_leaf(self, z, r, z_grads, ctx) -> _Tree:
+    def _flat_leaf(self, z, r, z_grads, ctx) -> numpy_mcmc.Tree:
         """Pyro's ``_build_basetree``: one velocity Verlet step and the new state's energy."""
         inverse_mass, sqrt_inverse, numbers, log_slice, energy_current = ctx
         z, r, z_grads, potential_energy = self._flat_step(z, r, z_grads, numbers[:2], inverse_mass)
@@ -249,10 +212,10 @@ class FlatTree(_FlatSiteKernel):
         sliced_energy = energy_new + log_slice
         diverging = bool(sliced_energy > self._max_sliced_energy)
         accept_prob = (-(energy_new - energy_current)).exp().clamp(max=1.0)
-        return _Tree(z, r, r_unscaled, z_grads, z, r, r_unscaled, z_grads, z, potential_energy, z_grads,
+        return numpy_mcmc.Tree(z, r, r_unscaled, z_grads, z, r, r_unscaled, z_grads, z, potential_energy, z_grads,
                      r_unscaled, -sliced_energy, False, diverging, accept_prob, 1)
 
-    def _flat_tree(self, z, r, z_grads, direction: int, depth: int, ctx) -> _Tree:
+    def _flat_tree(self, z, r, z_grads, direction: int, depth: int, ctx) -> numpy_mcmc.Tree:
         """Pyro's ``_build_tree`` (multinomial sampling) on tensors."""
         if depth == 0:
             return self._flat_leaf(z, r, z_grads, ctx)
@@ -271,7 +234,7 @@ class FlatTree(_FlatSiteKernel):
         proposal = other if self._is_other_half(other.weight - weight) else half
         rl, rr = left.r_left_unscaled, right.r_right_unscaled
         turning = other.turning or self._flat_turning(rl, rr, r_sum, ctx[2][3])
-        return _Tree(left.z_left, left.r_left, rl, left.z_left_grads, right.z_right, right.r_right, rr,
+        return numpy_mcmc.Tree(left.z_left, left.r_left, rl, left.z_left_grads, right.z_right, right.r_right, rr,
                      right.z_right_grads, proposal.z_proposal, proposal.z_proposal_pe, proposal.z_proposal_grads,
                      r_sum, weight, turning, other.diverging, sum_accept_probs,
                      half.num_proposals + other.num_proposals)

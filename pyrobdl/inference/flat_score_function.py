@@ -198,7 +198,7 @@ class FlatScoreFunctionELBO(DirectScoreFunctionELBO):
         lj = self._log_joint(x, y)
         v = self._vector
         eps = self.draw(v) if noise is None else noise
-        if numpy_elbo.score_usable(self, lj, eps, subsample):  # small CPU steps
+        if numpy_elbo.step_usable(lj, eps, subsample, self.kl_weight, False):  # small CPU steps
             loss, grad = numpy_elbo.score_loss_and_grad(self, lj, v, eps, subsample)
             return loss, [grad]
         d = lj.size

@@ -268,7 +268,7 @@ def vd_loss_and_grads(
     (torch.Tensor, list of torch.Tensor)
         The loss (mean over particles) and ``[gradient of the packed vector]``.
     """
-    if _numpy_elbo.vd_usable(lj, noise["eps"], idx, beta, functional):  # small CPU steps: the numpy twin
+    if _numpy_elbo.step_usable(lj, noise["eps"], idx, beta, functional):  # small CPU steps: the numpy twin
         return _numpy_elbo.vd_loss_and_grads(guide, plan, lj, loc, spread, noise, idx, analytic_kl, beta, _VAR_FLOOR)
     eps = noise["eps"]
     s, size = eps.shape

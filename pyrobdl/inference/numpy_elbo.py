@@ -141,9 +141,10 @@ def _normal_np(npl, lj, loc, rho, eps, prec, kl_const, idx, beta):
     return loss, grad
 
 
-def vd_usable(lj: Any, eps: torch.Tensor, idx: torch.Tensor | None, beta: Any, functional: bool) -> bool:
-    """Whether :func:`vd_loss_and_grads` serves a variational-dropout step: no learned precision, a number
-    as the KL weight, the log joint's numpy rule at the step's particles."""
+def step_usable(lj: Any, eps: torch.Tensor, idx: torch.Tensor | None, beta: Any, functional: bool) -> bool:
+    """Whether :func:`vd_loss_and_grads` (a variational-dropout step) or :func:`score_loss_and_grad` (a BBVI
+    step) serves a step of noise ``eps`` ``[particles, ...]``: no learned precision, a number as the KL
+    weight ``beta``, the log joint's numpy rule at the step's particles, eagerly."""
     return (lj.precision_index is None and isinstance(beta, (int, float)) and not isinstance(beta, bool)
             and usable(lj, eps.shape[0], idx, functional))
 
@@ -152,7 +153,7 @@ def vd_loss_and_grads(guide: Any, plan: Any, lj: Any, loc: torch.Tensor, spread:
                       idx: torch.Tensor | None, analytic_kl: bool, beta: float, floor: float
                       ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """:func:`~pyrobdl.inference.flat_vd.vd_loss_and_grads` (same arguments and outputs; ``floor``: the
-    locally reparameterized variances' floor) where :func:`vd_usable` holds, computed in numpy."""
+    locally reparameterized variances' floor) where :func:`step_usable` holds, computed in numpy."""
     npl = _nk.plan_of(lj)
     arr = [t.detach().numpy() for t in (loc, spread, noise["eps"])]
     pre = [e.detach().numpy() for e in noise["preactivations"]] if guide.local_reparameterization else None
@@ -242,19 +243,11 @@ def _kl_and_slope(log_alpha: np.ndarray, approximation: str, dt: Any) -> tuple[n
     return kl, dt(-0.5) / (dt(1.0) + np.exp(log_alpha))  # "ard" (kl_log_uniform refused any other)
 
 
-def score_usable(est: Any, lj: Any, eps: torch.Tensor, subsample: torch.Tensor | None) -> bool:
-    """Whether :func:`score_loss_and_grad` serves a BBVI step: no learned precision, a number as the KL
-    weight, the log joint's numpy rule at the step's particles."""
-    beta = est.kl_weight
-    return (lj.precision_index is None and isinstance(beta, (int, float)) and not isinstance(beta, bool)
-            and usable(lj, eps.shape[0], subsample, False))
-
-
 def score_loss_and_grad(est: Any, lj: Any, vector: torch.Tensor, eps: torch.Tensor, subsample: torch.Tensor | None
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """:meth:`FlatScoreFunctionELBO._loss_and_grads
     <pyrobdl.inference.flat_score_function.FlatScoreFunctionELBO>`'s loss and gradient (the packed
-    vector ``[loc, rho]``, standard normals ``eps`` ``[P, D]``) where :func:`score_usable` holds, in numpy;
+    vector ``[loc, rho]``, standard normals ``eps`` ``[P, D]``) where :func:`step_usable` holds, in numpy;
     a decaying-average baseline's state is kept on ``est`` as the torch path keeps it."""
     npl = _nk.plan_of(lj)
     v, e = vector.detach().numpy(), eps.detach().numpy()

@@ -10,7 +10,7 @@ torch's: :func:`_other_half`, the loop's direction and acceptance), the potentia
 :mod:`pyrobdl.flat.numpy_kernel`.  It is not bit for bit: numpy's ``dot``, ``exp`` and
 ``log1p`` round differently from torch's in the last place, so a chain equals Pyro's up to float
 rounding while no accept/reject or U-turn decision falls within that rounding
-(``tests/test_numpy_mcmc.py`` holds whole chains to Pyro's own tree).
+(``tests/test_flat_mcmc.py`` holds whole chains to Pyro's own tree).
 
 Scalars are numpy scalars of the chain's dtype (a float32 chain computes in float32, as Pyro's
 tensors do); the caller runs these functions under ``np.errstate(all="ignore")`` (an overflowing
@@ -20,7 +20,7 @@ energy is an infinite one, as in torch).
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import pyro
@@ -31,24 +31,25 @@ __all__ = ["Context", "Doublings", "Tree", "context", "doublings", "leapfrog", "
 
 
 class Tree(NamedTuple):
-    """Pyro's ``_TreeInfo`` of one site, as arrays and numpy scalars."""
+    """Pyro's ``_TreeInfo`` of one site: arrays and numpy scalars here, tensors in
+    :class:`~pyrobdl.inference.flat_mcmc.FlatTree`'s tree on tensors."""
 
-    z_left: np.ndarray
-    r_left: np.ndarray
-    r_left_unscaled: np.ndarray
-    z_left_grads: np.ndarray
-    z_right: np.ndarray
-    r_right: np.ndarray
-    r_right_unscaled: np.ndarray
-    z_right_grads: np.ndarray
-    z_proposal: np.ndarray
-    z_proposal_pe: np.generic
-    z_proposal_grads: np.ndarray
-    r_sum: np.ndarray
-    weight: np.generic
+    z_left: Any
+    r_left: Any
+    r_left_unscaled: Any
+    z_left_grads: Any
+    z_right: Any
+    r_right: Any
+    r_right_unscaled: Any
+    z_right_grads: Any
+    z_proposal: Any
+    z_proposal_pe: Any
+    z_proposal_grads: Any
+    r_sum: Any
+    weight: Any
     turning: bool
     diverging: bool
-    sum_accept_probs: np.generic
+    sum_accept_probs: Any
     num_proposals: int
 
 
