@@ -14,7 +14,7 @@ from pyrobdl.inference import DirectScoreFunctionELBO, make_elbo, numpy_elbo
 from pyrobdl.inference.flat_score_function import FlatScoreFunctionELBO, flat_score_function_support
 
 # float64 throughout: the two paths sum the same numbers in different orders (per-site sums by a
-# matrix product, tanh as 2 sigmoid(2a) - 1), so they agree to ~1e-13 on costs of O(10-100)
+# matrix product), so they agree to ~1e-13 on costs of O(10-100)
 TOL = dict(rtol=1e-10, atol=1e-10)
 LIKELIHOODS = {
     "gaussian": lambda: pyrobdl.likelihoods.Gaussian(4.0),

@@ -23,8 +23,9 @@ against two floors measured in the same run, between the same rounds:
   and the batched products of the output layer), i.e. what the arithmetic costs with every
   elementwise pass, allocation and dispatch removed;
 - ``floor (GEMMs + tanh)``: the latter plus the activation's two unavoidable elementwise passes
-  at the chunk's shape (``sigmoid_`` forward, ``sigmoid_backward``; the kernel computes
-  tanh(a) = 2 sigmoid(2a) - 1), on fresh inputs each time (repeated in-place calls would reach
+  at the chunk's shape (``tanh_`` forward, ``tanh_backward``; before 2026-11-30 the kernel
+  computed tanh(a) = 2 sigmoid(2a) - 1 and this floor timed ``sigmoid_`` and
+  ``sigmoid_backward``), on fresh inputs each time (repeated in-place calls would reach
   denormals and time those).
 
 Every variant and floor is timed once per round, in alternating order, for ``--rounds`` rounds
@@ -130,8 +131,8 @@ def activation_us(chunk: int, seconds: float) -> float:
     while spent < seconds:
         a.copy_(a0)
         start = time.process_time()
-        a.sigmoid_()
-        torch.ops.aten.sigmoid_backward.grad_input(g, a, grad_input=out)
+        a.tanh_()
+        torch.ops.aten.tanh_backward.grad_input(g, a, grad_input=out)
         spent += time.process_time() - start
         reps += 1
     return spent / reps / chunk * 1e6

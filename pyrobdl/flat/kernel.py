@@ -7,10 +7,9 @@ statements are those of the single function they came from, in the same order (t
 are bit-identical, and ``torch.compile`` traces through the calls).
 
 Layout: hidden activations are ``[B, K, H]`` (data-major), so the first layer is one GEMM over
-every chain at once, forward (``[B, in+1] @ [in+1, K*H]``) and backward.  A tanh layer stores
-``s = sigmoid(2a)`` instead of ``h = tanh(a) = 2s - 1`` (torch's sigmoid measured 3.5x faster
-than its tanh on this CPU); the affine map ``s -> 2s - 1`` is folded into the next layer's
-weights, and ``tanh'(a) = 4 s (1 - s)``.
+every chain at once, forward (``[B, in+1] @ [in+1, K*H]``) and backward.  A layer stores its
+activations ``h = tanh(a)`` or ``relu(a)`` in place of the pre-activation, and the backward pass
+reads them (``tanh'(a) = 1 - h^2``, ``relu'(a) = 1[h > 0]``).
 """
 
 from __future__ import annotations
@@ -48,7 +47,7 @@ def value_and_grad(
         logp = None if skip else theta.new_full((k,), lik_const)
     layers = lj._weights(theta)
     last = lj._num_layers - 1
-    w0aug, zs, f = _forward(x1, layers, last, tanh, per_row, k, b, lj._zero)
+    w0aug, zs, f = _forward(x1, layers, last, tanh, per_row, k, b)
     if fixed:  # the likelihood's constant is in logp already: one pass less over [K]
         r = y - f
         aux = (r, None, None, None)
@@ -64,8 +63,8 @@ def value_and_grad(
     # pass over the [B, K, H] activations less (they are read from memory, not cache)
     homogeneous = lj._fold_output_grad and not tanh and last == 1 and layers[1][0].shape[1] == 1
     pieces: dict[str, torch.Tensor] = {}  # each layer site's likelihood gradient, added to grad at the end
-    g, factor, alpha = _backward_hidden(lj, gf, zs, layers, pieces, last, tanh, homogeneous, functional, k, b)
-    _backward_layer0(lj, g, x1, w0aug, factor, alpha, pieces, last, homogeneous, per_row, k, b)
+    g, factor = _backward_hidden(lj, gf, zs, layers, pieces, last, tanh, homogeneous, functional, k, b)
+    _backward_layer0(lj, g, x1, w0aug, factor, pieces, last, homogeneous, per_row, k, b)
     _add_pieces(lj, grad, pieces, k)
     return logp, grad
 
@@ -76,15 +75,6 @@ def batch(lj: Any, idx: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor
     if idx is None:
         return lj._x1, lj.y, 1.0
     return lj._x1[idx], lj.y[idx], lj.num_data / idx.shape[-1]
-
-
-def _scaled_mm(m1: torch.Tensor, m2: torch.Tensor, alpha: float, zero: torch.Tensor) -> torch.Tensor:
-    """``alpha * (m1 @ m2)`` (2-D or batched 3-D), the scale applied inside the product: with beta = 0
-    the zero input is ignored, and the product's output is not read and written a second time."""
-    if alpha == 1.0:
-        return torch.mm(m1, m2) if m1.dim() == 2 else torch.bmm(m1, m2)
-    fn = torch.addmm if m1.dim() == 2 else torch.baddbmm
-    return fn(zero, m1, m2, beta=0.0, alpha=alpha)
 
 
 def _add_pieces(lj: Any, grad: torch.Tensor, pieces: dict[str, torch.Tensor], k: int) -> None:
@@ -101,32 +91,26 @@ def _add_pieces(lj: Any, grad: torch.Tensor, pieces: dict[str, torch.Tensor], k:
     (grad if lj._layer_stop == grad.shape[1] else grad[:, : lj._layer_stop]).add_(block)
 
 
-def _forward(x1, layers, last, tanh, per_row, k, b, zero):
-    """Layer 0's augmented weights ``[K, H, in+1]``, the hidden activations and the outputs ``[K, B, O]``;
-    ``zero``: a 0-d zero tensor (the ignored input of a product with beta = 0)."""
+def _forward(x1, layers, last, tanh, per_row, k, b):
+    """Layer 0's augmented weights ``[K, H, in+1]``, the hidden activations and the outputs ``[K, B, O]``."""
     w0, b0 = layers[0]
-    c0 = 2.0 if tanh and last > 0 else 1.0  # sigmoid(2 a) of the first hidden layer
     w0aug = torch.cat([w0, b0.unsqueeze(-1)], -1)  # [K, H, in+1]
     if per_row:
-        a0 = _scaled_mm(x1, w0aug.transpose(1, 2), c0, zero).transpose(0, 1)  # [B, K, H]
+        a0 = torch.bmm(x1, w0aug.transpose(1, 2)).transpose(0, 1)  # [B, K, H]
     else:
-        a0 = _scaled_mm(x1, w0aug.reshape(-1, x1.shape[1]).t(), c0, zero).view(b, k, -1)  # [B, K, H]
-    zs = []  # per hidden layer: relu(a) or sigmoid(2a), [B, K, H] (possibly strided)
+        a0 = torch.mm(x1, w0aug.reshape(-1, x1.shape[1]).t()).view(b, k, -1)  # [B, K, H]
+    zs = []  # per hidden layer: tanh(a) or relu(a), [B, K, H] (possibly strided)
     a = a0
     for j in range(1, last + 1):
         # in place: the pre-activation is a fresh product not needed again (one [B, K, H]
         # allocation less per layer; large allocations measured ~30% of an elementwise op)
-        z = a.sigmoid_() if tanh else a.relu_()
+        z = a.tanh_() if tanh else a.relu_()
         zs.append(z)
         w, bias = layers[j]
-        # tanh: the layer's input is h = 2 s - 1, so w h + b = 2 w s + (b - sum w); the next
-        # layer's sigmoid(2a) doubles both again (alpha and beta of one baddbmm)
-        alpha, beta = (2.0 if j == last else 4.0, 1.0 if j == last else 2.0) if tanh else (1.0, 1.0)
-        beff = bias - w.sum(-1) if tanh else bias
         if w.shape[1] == 1:  # one output unit: [K, 1, Hin] @ [K, Hin, B] -> [K, B, 1]
-            a = torch.baddbmm(beff.unsqueeze(-1), w, z.permute(1, 2, 0), beta=beta, alpha=alpha).transpose(1, 2)
+            a = torch.baddbmm(bias.unsqueeze(-1), w, z.permute(1, 2, 0)).transpose(1, 2)
         else:  # [K, B, Hout]
-            a = torch.baddbmm(beff.unsqueeze(1), z.transpose(0, 1), w.transpose(1, 2), beta=beta, alpha=alpha)
+            a = torch.baddbmm(bias.unsqueeze(1), z.transpose(0, 1), w.transpose(1, 2))
         if j < last:
             a = a.transpose(0, 1)  # back to [B, K, H]
     f = a if last > 0 else a.transpose(0, 1)  # [K, B, O]
@@ -157,56 +141,46 @@ def _output_grad(lj, f, y, theta, aux, grad, logp, scale, prior, per_row, k, b):
 
 def _backward_hidden(lj, gf, zs, layers, pieces, last, tanh, homogeneous, functional, k, b):
     """Backward through layers last .. 1, their sites' gradients into ``pieces``; ``g = dlogp/da_0`` (up
-    to a factor), and the factor (a tensor or None) and scalar ``alpha`` layer 0's gradient applies
-    after its GEMM."""
+    to a factor), and the factor (a tensor or None) layer 0's gradient applies after its GEMM."""
     g = gf  # g = dlogp/da_j, [K, B, Hout]
     factor: torch.Tensor | None = None
-    alpha = 1.0
     for j in range(last, 0, -1):
         z = zs[j - 1]
         w, _ = layers[j]
         gsum = g.sum(1)  # [K, Hout]
-        if not homogeneous:  # g^T h, [K, Hout, Hin]; tanh: h = 2 s - 1, so 2 g^T s - sum_b g
-            # (one baddbmm into a fresh tensor: into grad's strided view it measured 3x slower)
-            pieces[f"layers.{j}.weight"] = (
-                torch.baddbmm(gsum.unsqueeze(-1), g.transpose(1, 2), z.transpose(0, 1), beta=-1.0, alpha=2.0) if tanh
-                else torch.bmm(g.transpose(1, 2), z.transpose(0, 1)))
+        if not homogeneous:  # g^T h, [K, Hout, Hin]
+            # (one bmm into a fresh tensor: into grad's strided view it measured 3x slower)
+            pieces[f"layers.{j}.weight"] = torch.bmm(g.transpose(1, 2), z.transpose(0, 1))
         if f"layers.{j}.bias" in lj.layout:
             pieces[f"layers.{j}.bias"] = gsum
         if j == 1 and w.shape[1] == 1:
             # dlogp/da0[b,k,h] = g[k,b] w[k,h] act'(a0)[b,k,h]: w is applied after the GEMM
-            # (tanh: the 4 of tanh' in the same pass as the copy into [B, K, 1])
-            gb = (g.permute(1, 0, 2).mul(lj.const(4.0)) if tanh else g.permute(1, 0, 2).contiguous()).expand(b, k, z.shape[-1])
+            gb = g.permute(1, 0, 2).contiguous().expand(b, k, z.shape[-1])
             factor = w.transpose(1, 2)  # [K, H, 1]
         else:
             gb = torch.bmm(g, w).transpose(0, 1)  # [B, K, Hin], z's layout
-        if tanh:  # tanh'(a) = 4 s (1 - s)
-            # written into z's layout: following gb's (expanded) strides would cost a copy
-            if functional:  # torch.compile: out= into a strided z miscompiles (torch 2.13, measured)
-                g = torch.ops.aten.sigmoid_backward(gb, z)
-            else:
-                g = torch.ops.aten.sigmoid_backward.grad_input(gb, z, grad_input=z)  # z is not needed again
-            if j == 1:
-                alpha = 1.0 if factor is not None else 4.0
-            else:
-                g.mul_(lj.const(4.0))
+        # written into z's layout (z is not needed again): following gb's (expanded) strides would
+        # cost a copy; torch.compile: out= into a strided z miscompiles (torch 2.13, measured)
+        if tanh:  # tanh'(a) = 1 - h^2
+            g = (torch.ops.aten.tanh_backward(gb, z) if functional
+                 else torch.ops.aten.tanh_backward.grad_input(gb, z, grad_input=z))
         else:
             g = (torch.ops.aten.threshold_backward(gb, z, 0.0) if functional
                  else torch.ops.aten.threshold_backward.grad_input(gb, z, 0.0, grad_input=z))
         if j > 1:
             g = g.transpose(0, 1)  # [K, B, H] for the next layer's products
-    return g, factor, alpha
+    return g, factor
 
 
-def _backward_layer0(lj, g, x1, w0aug, factor, alpha, pieces, last, homogeneous, per_row, k, b):
+def _backward_layer0(lj, g, x1, w0aug, factor, pieces, last, homogeneous, per_row, k, b):
     """Layer 0: one GEMM ``[in+1, B] @ [B, K*H0]``, its sites' gradients into ``pieces``."""
     if last == 0:
         g = g.transpose(0, 1)  # [B, K, O]
     h0 = g.shape[-1]
     if per_row:
-        r0 = _scaled_mm(g.transpose(0, 1).transpose(1, 2), x1, alpha, lj._zero)  # [K, H0, in+1]
+        r0 = torch.bmm(g.transpose(0, 1).transpose(1, 2), x1)  # [K, H0, in+1]
     else:
-        r0 = _scaled_mm(x1.t(), g.reshape(b, k * h0), alpha, lj._zero).view(x1.shape[1], k, h0).permute(1, 2, 0)  # [K, H0, in+1]
+        r0 = torch.mm(x1.t(), g.reshape(b, k * h0)).view(x1.shape[1], k, h0).permute(1, 2, 0)  # [K, H0, in+1]
     if homogeneous:  # the output weight's gradient from S = r0 before the factor w (above)
         pieces["layers.1.weight"] = (r0 * w0aug).sum(-1)
     if factor is not None:
