@@ -11,7 +11,7 @@ microseconds per call, one torch thread.  The old kernel must read the same ``Fl
 attributes as the new one (true from 64603af on; ``_zero``, which kernels before the direct tanh
 read, is set here).
 
-    python comparisons/benchmarks/flat_kernel_pair.py OLD_REV [--rounds 7] [--shapes gap,blr,wine,2x20]
+    python comparisons/benchmarks/flat_kernel_pair.py OLD_REV [--rounds 7] [--shapes gap,blr,wine,2x20] [--work 200000]
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ def main() -> None:
     p.add_argument("old_rev")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--work", type=int, default=200_000, help="calls per timing: max(50, WORK // (K * N))")
     args = p.parse_args()
     torch.set_num_threads(1)
     kernels = {"old": old_kernel(args.old_rev), "new": _logjoint._kernel}
@@ -67,7 +68,7 @@ def main() -> None:
             dv = (out["new"][0] - out["old"][0]).abs().max().item()
             dg = ((out["new"][1] - out["old"][1]).abs().max() / out["old"][1].abs().max()).item()
             assert dv <= 1e-6 * out["old"][0].abs().max().item() + 1e-3 and dg <= 1e-5, (name, k, dv, dg)
-            calls = max(50, 200_000 // (k * n))
+            calls = max(50, args.work // (k * n))
             times = {lab: [] for lab in kernels}
             for r in range(args.rounds):
                 for lab in (("old", "new") if r % 2 == 0 else ("new", "old")):
