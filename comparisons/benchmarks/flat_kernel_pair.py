@@ -8,8 +8,7 @@ reference shape (1,439 x 11, 1 x 50 tanh) and a two-layer net (200 x 4, 2 x 20 t
 to agree (value within float32 rounding of a log joint of its size, gradient relative to its
 largest entry), then timed in ``--rounds`` rounds of alternating order, medians of process CPU
 microseconds per call, one torch thread.  The old kernel must read the same ``FlatLogJoint``
-attributes as the new one (true from 64603af on; ``_zero``, which kernels before the direct tanh
-read, is set here).
+attributes as the new one (true from 64603af on, except f0ca7b0 and 6726406, which lacked ``_zero``).
 
     python comparisons/benchmarks/flat_kernel_pair.py OLD_REV [--rounds 7] [--shapes gap,blr,wine,2x20] [--work 200000]
 """
@@ -59,7 +58,6 @@ def main() -> None:
         for k in (1, 64):
             lj, g = log_joint(n, d, hidden)
             lj.numpy_kernel = False  # the torch kernel at K = 1 too (not the numpy twin's small calls)
-            lj._zero = lj.y.new_zeros(())  # read by kernels before the direct tanh (d5a30c6 and earlier)
             theta = lj.sample_prior(k, generator=g) * 0.3
             out = {}
             for lab, mod in kernels.items():

@@ -6,13 +6,15 @@ GEMM.  Each step is a function of the log joint ``lj`` (its layout, likelihood a
 statements are those of the single function they came from, in the same order (the outputs
 are bit-identical, and ``torch.compile`` traces through the calls).
 
-Layout: hidden activations are ``[K, H, B]`` (chain-major, then unit, then data point), so the
-first layer is one GEMM over every chain at once, forward (``[K*H, in+1] @ [in+1, B]``) and backward
-(``[K*H, B] @ [B, in+1]``, whose ``[K, H, in+1]`` result is the sites' own layout), the other layers
-are batched products over contiguous ``[K, ., B]`` blocks, and every elementwise pass runs along
-the data (a unit's gradient broadcast over the data point, not over a dimension of H elements).  A layer stores its
+Layout: hidden activations are ``[B, K, H]`` (data-major), so the first layer is one GEMM over
+every chain at once, forward (``[B, in+1] @ [in+1, K*H]``) and backward.  A layer stores its
 activations ``h = tanh(a)`` or ``relu(a)`` in place of the pre-activation, and the backward pass
-reads them (``tanh'(a) = 1 - h^2``, ``relu'(a) = 1[h > 0]``).
+reads them (``tanh'(a) = 1 - h^2``, ``relu'(a) = 1[h > 0]``).  Traced by ``torch.compile``
+(``functional``), a tanh layer stores ``s = sigmoid(2a)`` instead, the affine map
+``s -> 2s - 1`` folded into the next layer's weights and ``tanh'(a) = 4 s (1 - s)``: on this CPU
+(torch 2.13) ATen's float32 tanh is 1.25-1.3x faster than its sigmoid, but Inductor's tanh 2.3-5x
+slower than its sigmoid, and the compiled kernel measured fastest with the fold (2026-11-30,
+``docs/benchmarks/chees.md``).
 """
 
 from __future__ import annotations
@@ -20,13 +22,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
-#: Layer 0's backward product ``[K*H, B] @ [B, in+1]`` is computed as ``([in+1, B] @ [B, K*H])^T``
-#: while ``g`` takes at most this many bytes: MKL's product alone was 1.1-3x faster that way for ``g``
-#: of 0.2-1.6 MB and 1.3-1.9x slower from 3.2 MB on, and in the whole call faster at gap's 0.2 MB,
-#: slower at a 2 x 20 net's 1 MB (2-core Xeon, 2 MB of L2 a core, torch 2.13;
-#: ``comparisons/benchmarks/flat_kernel_pair.py``)
-_SMALL_BYTES = 2**19
 
 
 def value_and_grad(
@@ -44,6 +39,7 @@ def value_and_grad(
     per_row = x1.dim() == 3  # [K, B, in+1]
     k, b = theta.shape[0], x1.shape[-2]
     tanh = lj._act == "tanh"
+    fold = tanh and functional  # sigmoid(2a) stored, tanh = 2 sigmoid(2a) - 1 folded (module docstring)
     fixed = lj.task != "classification" and not lj._learned  # a Gaussian of fixed precision tau
     lik_const = scale * b * lj._lik_const_point if fixed else 0.0  # its normaliser, added with the prior's
     skip = fixed and not value  # the value's own operations (a leapfrog's inner steps read only the gradient)
@@ -57,7 +53,7 @@ def value_and_grad(
         logp = None if skip else theta.new_full((k,), lik_const)
     layers = lj._weights(theta)
     last = lj._num_layers - 1
-    w0aug, zs, f = _forward(x1, layers, last, tanh, per_row, k, b)
+    w0aug, zs, f = _forward(x1, layers, last, tanh, fold, per_row, k, b, lj._zero)
     if fixed:  # the likelihood's constant is in logp already: one pass less over [K]
         r = y - f
         aux = (r, None, None, None)
@@ -67,14 +63,14 @@ def value_and_grad(
         ll, aux = lj._log_lik(f, y, theta)
         logp += ll if scale == 1.0 else scale * ll
     gf = _output_grad(lj, f, y, theta, aux, grad, logp, scale, prior, per_row, k, b)
-    # relu into one output unit: relu(a) = a * 1[a > 0] and a0 = w0aug x1^T, so the output
-    # weight's gradient sum_b g[k,b] relu(a0[k,h,b]) equals sum_i w0aug[k,h,i] S[k,h,i], where
-    # S = (g masked by 1[a0 > 0]) x1 is the GEMM layer 0's gradient computes anyway: one
-    # pass over the [K, H, B] activations less (they are read from memory, not cache)
+    # relu into one output unit: relu(a) = a * 1[a > 0] and a0 = x1 @ w0aug^T, so the output
+    # weight's gradient sum_b g[k,b] relu(a0[b,k,h]) equals sum_i w0aug[k,h,i] S[k,h,i], where
+    # S = x1^T (g masked by 1[a0 > 0]) is the GEMM layer 0's gradient computes anyway: one
+    # pass over the [B, K, H] activations less (they are read from memory, not cache)
     homogeneous = lj._fold_output_grad and not tanh and last == 1 and layers[1][0].shape[1] == 1
     pieces: dict[str, torch.Tensor] = {}  # each layer site's likelihood gradient, added to grad at the end
-    g, factor = _backward_hidden(lj, gf, zs, layers, pieces, last, tanh, homogeneous, functional, k, b)
-    _backward_layer0(lj, g, x1, w0aug, factor, pieces, last, homogeneous, per_row, k, b)
+    g, factor, alpha = _backward_hidden(lj, gf, zs, layers, pieces, last, tanh, fold, homogeneous, functional, k, b)
+    _backward_layer0(lj, g, x1, w0aug, factor, alpha, pieces, last, homogeneous, per_row, k, b)
     _add_pieces(lj, grad, pieces, k)
     return logp, grad
 
@@ -85,6 +81,15 @@ def batch(lj: Any, idx: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor
     if idx is None:
         return lj._x1, lj.y, 1.0
     return lj._x1[idx], lj.y[idx], lj.num_data / idx.shape[-1]
+
+
+def _scaled_mm(m1: torch.Tensor, m2: torch.Tensor, alpha: float, zero: torch.Tensor) -> torch.Tensor:
+    """``alpha * (m1 @ m2)`` (2-D or batched 3-D), the scale applied inside the product: with beta = 0
+    the zero input is ignored, and the product's output is not read and written a second time."""
+    if alpha == 1.0:
+        return torch.mm(m1, m2) if m1.dim() == 2 else torch.bmm(m1, m2)
+    fn = torch.addmm if m1.dim() == 2 else torch.baddbmm
+    return fn(zero, m1, m2, beta=0.0, alpha=alpha)
 
 
 def _add_pieces(lj: Any, grad: torch.Tensor, pieces: dict[str, torch.Tensor], k: int) -> None:
@@ -101,24 +106,37 @@ def _add_pieces(lj: Any, grad: torch.Tensor, pieces: dict[str, torch.Tensor], k:
     (grad if lj._layer_stop == grad.shape[1] else grad[:, : lj._layer_stop]).add_(block)
 
 
-def _forward(x1, layers, last, tanh, per_row, k, b):
-    """Layer 0's augmented weights ``[K, H, in+1]``, the hidden activations ``[K, H, B]`` and the
-    outputs ``[K, B, O]`` (a view of ``[K, O, B]``)."""
+def _forward(x1, layers, last, tanh, fold, per_row, k, b, zero):
+    """Layer 0's augmented weights ``[K, H, in+1]``, the hidden activations and the outputs ``[K, B, O]``;
+    ``fold``: tanh layers as sigmoid(2a) (module docstring); ``zero``: a 0-d zero tensor (the ignored
+    input of a product with beta = 0)."""
     w0, b0 = layers[0]
+    c0 = 2.0 if fold and last > 0 else 1.0  # sigmoid(2 a) of the first hidden layer
     w0aug = torch.cat([w0, b0.unsqueeze(-1)], -1)  # [K, H, in+1]
-    if per_row:  # x1 [K, B, in+1]
-        a = torch.bmm(w0aug, x1.transpose(1, 2))  # [K, H, B]
+    if per_row:
+        a0 = _scaled_mm(x1, w0aug.transpose(1, 2), c0, zero).transpose(0, 1)  # [B, K, H]
     else:
-        a = torch.mm(w0aug.view(-1, x1.shape[1]), x1.t()).view(k, -1, b)  # [K, H, B]
-    zs = []  # per hidden layer: tanh(a) or relu(a), [K, H, B]
+        a0 = _scaled_mm(x1, w0aug.reshape(-1, x1.shape[1]).t(), c0, zero).view(b, k, -1)  # [B, K, H]
+    zs = []  # per hidden layer: tanh(a), relu(a) or (fold) sigmoid(2a), [B, K, H] (possibly strided)
+    a = a0
     for j in range(1, last + 1):
-        # in place: the pre-activation is a fresh product not needed again (one [K, H, B]
+        # in place: the pre-activation is a fresh product not needed again (one [B, K, H]
         # allocation less per layer; large allocations measured ~30% of an elementwise op)
-        z = a.tanh_() if tanh else a.relu_()
+        z = a.sigmoid_() if fold else a.tanh_() if tanh else a.relu_()
         zs.append(z)
         w, bias = layers[j]
-        a = torch.baddbmm(bias.unsqueeze(-1), w, z)  # [K, Hout, Hin] @ [K, Hin, B] -> [K, Hout, B]
-    return w0aug, zs, a.transpose(1, 2)
+        # fold: the layer's input is h = 2 s - 1, so w h + b = 2 w s + (b - sum w); the next
+        # layer's sigmoid(2a) doubles both again (alpha and beta of one baddbmm)
+        alpha, beta = (2.0 if j == last else 4.0, 1.0 if j == last else 2.0) if fold else (1.0, 1.0)
+        beff = bias - w.sum(-1) if fold else bias
+        if w.shape[1] == 1:  # one output unit: [K, 1, Hin] @ [K, Hin, B] -> [K, B, 1]
+            a = torch.baddbmm(beff.unsqueeze(-1), w, z.permute(1, 2, 0), beta=beta, alpha=alpha).transpose(1, 2)
+        else:  # [K, B, Hout]
+            a = torch.baddbmm(beff.unsqueeze(1), z.transpose(0, 1), w.transpose(1, 2), beta=beta, alpha=alpha)
+        if j < last:
+            a = a.transpose(0, 1)  # back to [B, K, H]
+    f = a if last > 0 else a.transpose(0, 1)  # [K, B, O]
+    return w0aug, zs, f
 
 
 def _output_grad(lj, f, y, theta, aux, grad, logp, scale, prior, per_row, k, b):
@@ -143,46 +161,58 @@ def _output_grad(lj, f, y, theta, aux, grad, logp, scale, prior, per_row, k, b):
     return gf
 
 
-def _backward_hidden(lj, gf, zs, layers, pieces, last, tanh, homogeneous, functional, k, b):
-    """Backward through layers last .. 1, their sites' gradients into ``pieces``; ``g = dlogp/da_0``
-    ``[K, H0, B]`` (up to a factor), and the factor ``[K, H0, 1]`` (or None) layer 0's gradient
-    applies after its GEMM."""
-    g = gf.transpose(1, 2)  # g = dlogp/da_j, [K, Hout, B]
+def _backward_hidden(lj, gf, zs, layers, pieces, last, tanh, fold, homogeneous, functional, k, b):
+    """Backward through layers last .. 1, their sites' gradients into ``pieces``; ``g = dlogp/da_0`` (up
+    to a factor), and the factor (a tensor or None) and scalar ``alpha`` layer 0's gradient applies
+    after its GEMM."""
+    g = gf  # g = dlogp/da_j, [K, B, Hout]
     factor: torch.Tensor | None = None
+    alpha = 1.0
     for j in range(last, 0, -1):
         z = zs[j - 1]
         w, _ = layers[j]
-        gsum = g.sum(-1)  # [K, Hout]
-        if not homogeneous:  # g h^T, [K, Hout, Hin]
-            # (one bmm into a fresh tensor: into grad's strided view it measured 3x slower)
-            pieces[f"layers.{j}.weight"] = torch.bmm(g, z.transpose(1, 2))
+        gsum = g.sum(1)  # [K, Hout]
+        if not homogeneous:  # g^T h, [K, Hout, Hin]; fold: h = 2 s - 1, so 2 g^T s - sum_b g
+            # (one baddbmm into a fresh tensor: into grad's strided view it measured 3x slower)
+            pieces[f"layers.{j}.weight"] = (
+                torch.baddbmm(gsum.unsqueeze(-1), g.transpose(1, 2), z.transpose(0, 1), beta=-1.0, alpha=2.0) if fold
+                else torch.bmm(g.transpose(1, 2), z.transpose(0, 1)))
         if f"layers.{j}.bias" in lj.layout:
             pieces[f"layers.{j}.bias"] = gsum
         if j == 1 and w.shape[1] == 1:
-            # dlogp/da0[k,h,b] = g[k,b] w[k,h] act'(a0)[k,h,b]: w is applied after the GEMM
-            gb = g.expand(k, z.shape[1], b)
+            # dlogp/da0[b,k,h] = g[k,b] w[k,h] act'(a0)[b,k,h]: w is applied after the GEMM
+            # (fold: the 4 of tanh' in the same pass as the copy into [B, K, 1])
+            gb = (g.permute(1, 0, 2).mul(lj.const(4.0)) if fold else g.permute(1, 0, 2).contiguous()).expand(b, k, z.shape[-1])
             factor = w.transpose(1, 2)  # [K, H, 1]
         else:
-            gb = torch.bmm(w.transpose(1, 2), g)  # [K, Hin, B]
-        # written into z (not needed again); torch.compile: out= into z miscompiled (torch 2.13, measured
-        # on the earlier strided layout)
-        if tanh:  # tanh'(a) = 1 - h^2
-            g = (torch.ops.aten.tanh_backward(gb, z) if functional
-                 else torch.ops.aten.tanh_backward.grad_input(gb, z, grad_input=z))
+            gb = torch.bmm(g, w).transpose(0, 1)  # [B, K, Hin], z's layout
+        # written into z's layout (z is not needed again): following gb's (expanded) strides would
+        # cost a copy; torch.compile (functional): out= into a strided z miscompiles (torch 2.13, measured)
+        if fold:  # tanh'(a) = 4 s (1 - s); fold implies functional
+            g = torch.ops.aten.sigmoid_backward(gb, z)
+            if j == 1:
+                alpha = 1.0 if factor is not None else 4.0
+            else:
+                g.mul_(lj.const(4.0))
+        elif tanh:  # tanh'(a) = 1 - h^2
+            g = torch.ops.aten.tanh_backward.grad_input(gb, z, grad_input=z)
         else:
             g = (torch.ops.aten.threshold_backward(gb, z, 0.0) if functional
                  else torch.ops.aten.threshold_backward.grad_input(gb, z, 0.0, grad_input=z))
-    return g, factor
+        if j > 1:
+            g = g.transpose(0, 1)  # [K, B, H] for the next layer's products
+    return g, factor, alpha
 
 
-def _backward_layer0(lj, g, x1, w0aug, factor, pieces, last, homogeneous, per_row, k, b):
-    """Layer 0: one GEMM ``[K*H0, B] @ [B, in+1]``, its sites' gradients into ``pieces``."""
+def _backward_layer0(lj, g, x1, w0aug, factor, alpha, pieces, last, homogeneous, per_row, k, b):
+    """Layer 0: one GEMM ``[in+1, B] @ [B, K*H0]``, its sites' gradients into ``pieces``."""
+    if last == 0:
+        g = g.transpose(0, 1)  # [B, K, O]
+    h0 = g.shape[-1]
     if per_row:
-        r0 = torch.bmm(g, x1)  # [K, H0, in+1]
-    elif g.numel() * g.element_size() <= _SMALL_BYTES:  # the same product as (x1^T g^T)^T: 1.1-3x faster
-        r0 = torch.mm(x1.t(), g.reshape(-1, b).t()).t().view(k, -1, x1.shape[1])  # there (MKL, measured)
+        r0 = _scaled_mm(g.transpose(0, 1).transpose(1, 2), x1, alpha, lj._zero)  # [K, H0, in+1]
     else:
-        r0 = torch.mm(g.reshape(-1, b), x1).view(k, -1, x1.shape[1])  # [K, H0, in+1]
+        r0 = _scaled_mm(x1.t(), g.reshape(b, k * h0), alpha, lj._zero).view(x1.shape[1], k, h0).permute(1, 2, 0)  # [K, H0, in+1]
     if homogeneous:  # the output weight's gradient from S = r0 before the factor w (above)
         pieces["layers.1.weight"] = (r0 * w0aug).sum(-1)
     if factor is not None:

@@ -129,6 +129,7 @@ class FlatLogJoint:
         self._prior_const = sum(const for _, _, const in self._prior)
         self._neg_prior_prec = -self._prior_prec
         self._half_neg_prior_prec = 0.5 * self._neg_prior_prec  # the prior's quadratic form as one mv
+        self._zero = x.new_zeros(())  # the ignored input of a product with beta = 0
         self._consts: dict[float, torch.Tensor] = {}  # const(): numbers as 0-d tensors
         # the sites the kernel's backward pass gives gradients to (the layers'), in layout order; when
         # they are the layout's first columns, their gradients are added as one concatenated block
@@ -385,8 +386,8 @@ class FlatLogJoint:
             return _numpy_kernel.log_likelihood(self, theta, idx)
         x1, y, scale = _kernel.batch(self, idx)
         k = theta.shape[0]
-        _, _, f = _kernel._forward(x1, self._weights(theta), self._num_layers - 1, self._act == "tanh",
-                                   x1.dim() == 3, k, x1.shape[-2])
+        _, _, f = _kernel._forward(x1, self._weights(theta), self._num_layers - 1, self._act == "tanh", False,
+                                   x1.dim() == 3, k, x1.shape[-2], self._zero)
         ll, _ = self._log_lik(f, y, theta)
         return ll if scale == 1.0 else ll.mul_(scale)
 
