@@ -4,7 +4,9 @@ r"""The flat log joint's kernel of an earlier commit against this checkout's, pe
 package) and the checkout's own run on the same :class:`~pyrobdl.flat.FlatLogJoint` objects —
 the quickstart's shapes (gap: 80 x 1, 1 x 10 tanh; blr: 100 x 3, no hidden layer), wine's
 reference shape (1,439 x 11, 1 x 50 tanh) and a two-layer net (200 x 4, 2 x 20 tanh) — at K = 1
-(Pyro's NUTS/HMC, an SVI step with one particle) and K = 64 (chees).  Each pair is first checked
+(the shape of Pyro's NUTS/HMC and of an SVI step with one particle) and K = 64 (chees); the torch
+kernel at both (``FlatLogJoint.numpy_kernel`` off: on the CPU those K = 1 calls otherwise go to
+the numpy twin, which neither revision's kernel.py touches).  Each pair is first checked
 to agree (value within float32 rounding of a log joint of its size, gradient relative to its
 largest entry), then timed in ``--rounds`` rounds of alternating order, medians of process CPU
 microseconds per call, one torch thread.  The old kernel must read the same ``FlatLogJoint``
