@@ -145,6 +145,7 @@ class FlatELBO(torch.nn.Module):
         self._data: tuple[torch.Tensor, torch.Tensor] | None = None
         self._check_layout(params)
         self._plan: Any = None
+        self._numpy_step: Any = None  # numpy_elbo.NumpyStep of the present log joint and parameters
 
     def _check_layout(self, params: dict[str, torch.Tensor]) -> None:
         from ..flat import FlatLayout
@@ -229,12 +230,17 @@ class FlatELBO(torch.nn.Module):
             layer in order) and ``"preactivations"`` (mean field and variational dropout with
             local reparameterization, one ``[S, B, out]`` per layer).
         """
+        step = self._numpy_step  # a small CPU step of a mean-field or MAP guide: all in numpy
+        if noise is None and step is not None and step.serves(self, x, y, subsample):
+            return step.run(self, subsample)
         # inference mode: no autograd bookkeeping on the step's small ops (the SVI loop's own
         # path; forward() keeps autograd's); the gradients are only read outside it
         with torch.inference_mode():
             loss, grads = self._loss_and_grads(x, y, subsample, noise)
         for v, g in zip(self._vectors(), grads):
             v.grad = g
+        if step is None or not step.current(self):
+            self._numpy_step = numpy_elbo.NumpyStep(self)
         return loss
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, subsample: torch.Tensor | None = None) -> torch.Tensor:

@@ -325,6 +325,9 @@ def optimize(
     average_from = steps - int(round(settings.average_last * steps)) if settings.average_last > 0 else steps
     averaged = [p.detach().clone() for p in params] if average_from < steps else []
     losses = torch.empty(steps, dtype=dtype, device=device)
+    # on the CPU each loss is written through a numpy view of the same memory: ~0.3 CPU µs a step
+    # against ~1.5 for a tensor's __setitem__ (the value is the same: the loss's float converted)
+    record = losses.numpy() if device.type == "cpu" else losses
     records = None if record_shape is None else torch.empty(steps, *record_shape, dtype=dtype, device=device)
     snapshot = [p.detach().clone() for p in params]
     checked = 0
@@ -337,9 +340,9 @@ def optimize(
             group["lr"] = settings.lr * schedule(min(step / max(steps - 1, 1), 1.0))
         out = step_fn(batches.next())
         if records is None:
-            losses[step] = out
+            record[step] = out
         else:
-            losses[step], records[step] = out
+            record[step], records[step] = out
         if step + 1 - checked >= CHECK_EVERY:
             _check_finite(losses, checked, step + 1, params, snapshot, label=label)
             checked = step + 1

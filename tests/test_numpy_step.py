@@ -1,0 +1,161 @@
+"""The whole small SVI step in numpy (pyrobdl.inference.numpy_elbo.NumpyStep): what the flat ELBO's
+general path computes, for the same draws from the same generator; which steps it serves; that it
+follows the parameters and data it was made for.  The general path itself is held equal to Pyro's
+ELBOs in tests/test_flat_elbo.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_flat import TOL64, float64, make_data, make_model  # noqa: F401
+from test_flat_elbo import CASES
+
+import pyrobdl
+from pyrobdl.flat import FlatLogJoint
+from pyrobdl.guides import MAP, MeanField
+from pyrobdl.inference.flat_elbo import FlatELBO
+from pyrobdl.inference.numpy_elbo import NumpyStep
+
+
+def _fitted(model, guide, x, y, idx, **kw):
+    """A flat ELBO after one (general) step, so that its numpy step is made; parameters moved off the init."""
+    packed = guide.flat_family()[1]
+    with torch.no_grad():
+        packed["loc"].add_(0.2 * torch.randn(packed["loc"].shape, dtype=packed["loc"].dtype))
+        if "scale" in packed:
+            packed["scale"].add_(0.5 * torch.randn(packed["scale"].shape, dtype=packed["scale"].dtype))
+    elbo = FlatELBO(model, guide, **kw)
+    elbo.loss_and_grad(x, y, idx)
+    return elbo
+
+
+def _both_paths(elbo, x, y, idx, num_draws):
+    """(loss, grad, generator state after) from the numpy step and from the general path, from one seed."""
+    (vector,) = elbo.parameters_to_optimize()
+    torch.manual_seed(11)
+    loss = elbo.loss_and_grad(x, y, idx)  # the numpy step: its own draws
+    fast = (loss.clone(), vector.grad.clone(), torch.get_rng_state())
+    torch.manual_seed(11)
+    noise = torch.randn(elbo.num_particles, num_draws, dtype=vector.dtype) if num_draws else None
+    loss = elbo.loss_and_grad(x, y, idx, noise=noise)  # noise given: the general path
+    return fast, (loss.clone(), vector.grad.clone(), torch.get_rng_state())
+
+
+NUMPY_CASES = [c for c in CASES if not c[1].startswith("learned")]  # a learned precision keeps the general path
+
+
+@pytest.mark.parametrize("case", NUMPY_CASES, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("num_particles, minibatch, beta", [(1, False, 1.0), (3, True, 0.3), (1, True, 1.0)])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_mean_field_numpy_step_is_the_general_path(case, num_particles, minibatch, beta, dtype):
+    """The same draws (the generator left in the same state) and the same floats, bit for bit: the
+    numpy step runs the general path's own numpy function on the same arrays."""
+    prior, lik, hidden, act = case
+    dt = getattr(torch, dtype)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dt)
+    try:
+        torch.manual_seed(0)
+        model = make_model(prior, lik, hidden, act)
+        x, y = make_data(model, dtype=dt)
+        y = model.likelihood.prepare_targets(y, model.out_features)
+        idx = torch.tensor([0, 3, 4, 7, 11]) if minibatch else None
+        elbo = _fitted(model, MeanField(model, init_scale=0.3), x, y, idx, num_particles=num_particles)
+        elbo.kl_weight = beta
+        assert elbo._numpy_step.serves(elbo, x, y, idx)
+        size = elbo.parameters_to_optimize()[0].shape[0] // 2
+        (loss_a, grad_a, state_a), (loss_b, grad_b, state_b) = _both_paths(elbo, x, y, idx, size)
+    finally:
+        torch.set_default_dtype(old)
+    assert loss_a.dtype == loss_b.dtype == dt and loss_a.shape == loss_b.shape == ()
+    assert torch.equal(loss_a, loss_b)
+    assert torch.equal(grad_a, grad_b)
+    assert torch.equal(state_a, state_b)
+
+
+@pytest.mark.parametrize("case", NUMPY_CASES, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("beta", [1.0, 0.3])
+def test_map_numpy_step_is_the_general_path(float64, case, beta):
+    """A point mass: the same gradient bit for bit (the same operations); the loss's prior term is
+    summed by numpy instead of torch, so it agrees to float64 rounding; no draws either way."""
+    prior, lik, hidden, act = case
+    torch.manual_seed(1)
+    model = make_model(prior, lik, hidden, act)
+    x, y = make_data(model)
+    y = model.likelihood.prepare_targets(y, model.out_features)
+    idx = torch.tensor([1, 2, 5, 6])
+    elbo = _fitted(model, MAP(model), x, y, idx)
+    elbo.kl_weight = beta
+    assert elbo._numpy_step.serves(elbo, x, y, idx)
+    (loss_a, grad_a, state_a), (loss_b, grad_b, state_b) = _both_paths(elbo, x, y, idx, 0)
+    assert abs(float(loss_a - loss_b)) / max(1.0, abs(float(loss_b))) < TOL64
+    assert torch.equal(grad_a, grad_b)
+    assert torch.equal(state_a, state_b)
+
+
+def _small():
+    torch.manual_seed(0)
+    model = pyrobdl.BayesianMLP(2, (4,), 1)
+    x, y = torch.randn(20, 2), torch.randn(20)
+    return model, x, y
+
+
+@pytest.mark.parametrize("setting", ["monte_carlo_kl", "learned_precision", "local_reparameterization",
+                                     "numpy_kernel_off", "tensor_beta", "bool_beta", "large_batch",
+                                     "per_row_minibatch", "other_data"])
+def test_numpy_step_leaves_what_it_does_not_cover_to_the_general_path(monkeypatch, setting):
+    model, x, y = _small()
+    kw, guide_kw, idx = {}, {}, torch.tensor([0, 1, 2])
+    if setting == "monte_carlo_kl":
+        kw["analytic_kl"] = False
+    elif setting == "learned_precision":
+        model = pyrobdl.BayesianMLP(2, (4,), 1, likelihood=pyrobdl.likelihoods.GaussianLearnedPrecision())
+    elif setting == "local_reparameterization":
+        guide_kw["local_reparameterization"] = True
+    elbo = FlatELBO(model, MeanField(model, **guide_kw), **kw)
+    elbo.loss_and_grad(x, y, idx)
+    step = elbo._numpy_step
+    assert isinstance(step, NumpyStep)
+    if setting == "numpy_kernel_off":
+        monkeypatch.setattr(FlatLogJoint, "numpy_kernel", False)
+    elif setting == "tensor_beta":
+        elbo.kl_weight = torch.tensor(0.5)
+    elif setting == "bool_beta":
+        elbo.kl_weight = True
+    elif setting == "large_batch":
+        monkeypatch.setattr("pyrobdl.flat.numpy_kernel.MAX_NUMPY_ELEMENTS", 3 * 4 - 1)
+    elif setting == "per_row_minibatch":
+        idx = idx[None]
+    if setting == "other_data":
+        assert not step.serves(elbo, x.clone(), y, idx)
+    else:
+        assert not step.serves(elbo, x, y, idx)
+        # and the general path still serves the step
+        assert torch.isfinite(elbo.loss_and_grad(x, y, idx if idx.dim() == 1 else None))
+
+
+def test_numpy_step_is_remade_for_new_parameters_and_data():
+    """Its numpy views belong to one packed vector and one log joint: after the parameters are re-read
+    (a repacked guide) or other data arrive, the next general step makes a new one, which then serves."""
+    model, x, y = _small()
+    guide = MeanField(model)
+    elbo = FlatELBO(model, guide)
+    elbo.loss_and_grad(x, y)
+    first = elbo._numpy_step
+    assert first.serves(elbo, x, y, None)
+    with torch.no_grad():
+        guide.double()  # new storage: the packing is repaired on the next read
+        guide.float()
+    elbo.parameters_to_optimize()
+    assert not first.current(elbo) and not first.serves(elbo, x, y, None)
+    elbo.loss_and_grad(x, y)
+    second = elbo._numpy_step
+    assert second is not first and second.serves(elbo, x, y, None)
+    x2, y2 = x + 1.0, y.clone()
+    assert not second.serves(elbo, x2, y2, None)
+    elbo.loss_and_grad(x2, y2)
+    assert elbo._numpy_step.serves(elbo, x2, y2, None)
+    # the step writes the gradient of the vector the optimizer steps, views and all
+    (vector,) = elbo.parameters_to_optimize()
+    elbo.loss_and_grad(x2, y2)
+    assert vector.grad is not None and vector.grad.shape == vector.shape
