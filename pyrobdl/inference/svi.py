@@ -327,7 +327,8 @@ def optimize(
     losses = torch.empty(steps, dtype=dtype, device=device)
     # on the CPU each loss is written through a numpy view of the same memory: ~0.3 CPU µs a step
     # against ~1.5 for a tensor's __setitem__ (the value is the same: the loss's float converted)
-    record = losses.numpy() if device.type == "cpu" else losses
+    cpu = device.type == "cpu"
+    record = losses.numpy() if cpu else losses
     records = None if record_shape is None else torch.empty(steps, *record_shape, dtype=dtype, device=device)
     snapshot = [p.detach().clone() for p in params]
     checked = 0
@@ -340,7 +341,7 @@ def optimize(
             group["lr"] = settings.lr * schedule(min(step / max(steps - 1, 1), 1.0))
         out = step_fn(batches.next())
         if records is None:
-            record[step] = out
+            record[step] = out.item() if cpu else out  # item(): no Tensor.__array__ (Python) on the CPU
         else:
             record[step], records[step] = out
         if step + 1 - checked >= CHECK_EVERY:
