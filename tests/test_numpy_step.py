@@ -159,3 +159,35 @@ def test_numpy_step_is_remade_for_new_parameters_and_data():
     (vector,) = elbo.parameters_to_optimize()
     elbo.loss_and_grad(x2, y2)
     assert vector.grad is not None and vector.grad.shape == vector.shape
+
+
+@pytest.mark.parametrize("prior", [True, False])
+def test_members_numpy_step_is_the_general_step(prior):
+    """The ensemble's and Laplace's full-batch member step at few activations (the numpy twin called
+    directly) gives the general step's gradient and members' objectives bit for bit."""
+    from pyrobdl.inference.ensemble import _member_step, _numpy_member_step
+
+    model, x, y = _small()
+    lj = FlatLogJoint(model, x, y)
+    param = torch.nn.Parameter(0.3 * torch.randn(4, lj.size))
+    loss_a, value_a = _numpy_member_step(lj, param, prior)(None)
+    grad_a = param.grad.clone()
+    loss_b, value_b = _member_step(lj, param, prior)(None)
+    assert torch.equal(grad_a, param.grad) and torch.equal(value_a, value_b)
+    assert value_a.shape == (4,) and loss_a.shape == () and torch.allclose(loss_a, loss_b, rtol=1e-6)
+
+
+def test_train_members_takes_the_numpy_step_only_at_full_batch(monkeypatch):
+    from pyrobdl.inference import ensemble
+    from pyrobdl.inference.svi import LoopSettings
+
+    model, x, y = _small()
+    lj = FlatLogJoint(model, x, y)
+    made = []
+    real = ensemble._numpy_member_step
+    monkeypatch.setattr(ensemble, "_numpy_member_step", lambda *a: made.append(1) or real(*a))
+    theta = 0.3 * torch.randn(3, lj.size)
+    full = ensemble.train_members(lj, theta, LoopSettings(num_steps=5, lr=1e-2))
+    assert made == [1] and full.history.shape == (5, 3) and torch.isfinite(full.theta).all()
+    ensemble.train_members(lj, theta, LoopSettings(num_steps=5, lr=1e-2, batch_size=8))
+    assert made == [1]

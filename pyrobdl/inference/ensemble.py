@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from ..flat import FlatLogJoint, _check_supported
+from ..flat import numpy_kernel
 from ..posterior import Cost, Posterior
 from .registry import Method, register_method, require_proper_prior
 from .starts import check_spread, init_members, spread_starts
@@ -113,6 +114,35 @@ class _MemberBatches:
         return idx
 
 
+def _member_step(lj: FlatLogJoint, param: torch.Tensor, prior: bool) -> Any:
+    """:func:`train_members`'s step: the loss minimised (all members at once) and each member's objective;
+    the gradient of the loss left in ``param.grad``."""
+
+    def step_fn(idx: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.inference_mode():  # no autograd bookkeeping; the gradient is only read outside it
+            value, grad = lj.value_and_grad(param.detach(), idx, prior=prior)
+            grad = grad.neg_()
+        param.grad = grad
+        return -value.sum(), value
+
+    return step_fn
+
+
+def _numpy_member_step(lj: FlatLogJoint, param: torch.Tensor, prior: bool) -> Any:
+    """:func:`train_members`'s full-batch step at few activations: the log joint's numpy twin called on the
+    members' memory directly (what ``lj.value_and_grad`` calls there, without its checks and tensor
+    conversions; the same gradient, bit for bit)."""
+    plan, members = numpy_kernel.plan_of(lj), param.detach().numpy()
+
+    def step_fn(idx: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        with np.errstate(all="ignore"):
+            value, grad = numpy_kernel.value_and_grad_np(plan, lj, members, None, prior)
+        param.grad = torch.from_numpy(np.negative(grad, out=grad))
+        return torch.from_numpy(np.asarray(-value.sum())), torch.from_numpy(value)
+
+    return step_fn
+
+
 def train_members(
     lj: FlatLogJoint,
     theta: torch.Tensor,
@@ -157,13 +187,10 @@ def train_members(
     param = torch.nn.Parameter(theta.detach().clone())
     batch = settings.effective_batch(lj.num_data)
 
-    def step_fn(idx: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        with torch.inference_mode():  # no autograd bookkeeping; the gradient is only read outside it
-            value, grad = lj.value_and_grad(param.detach(), idx, prior=prior)
-            grad = grad.neg_()
-        param.grad = grad
-        return -value.sum(), value  # the loss minimised (all members at once), each member's objective
-
+    if batch >= lj.num_data and lj.numpy_kernel and numpy_kernel.usable_rows(lj, k, None):
+        step_fn = _numpy_member_step(lj, param, prior)
+    else:
+        step_fn = _member_step(lj, param, prior)
     result = optimize(step_fn, [param], PackedAdam([param], settings.lr), settings,
                       _MemberBatches(k, lj.num_data, batch, device), desc=desc, progress=progress,
                       label="log joint" if prior else "log-likelihood", record_shape=(k,))

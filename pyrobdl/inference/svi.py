@@ -330,6 +330,7 @@ def optimize(
     cpu = device.type == "cpu"
     record = losses.numpy() if cpu else losses
     records = None if record_shape is None else torch.empty(steps, *record_shape, dtype=dtype, device=device)
+    records_view = records.numpy() if cpu and records is not None else records
     snapshot = [p.detach().clone() for p in params]
     checked = 0
     bar = tqdm(range(steps), desc=desc, disable=not progress, mininterval=0.5, leave=False)
@@ -342,6 +343,8 @@ def optimize(
         out = step_fn(batches.next())
         if records is None:
             record[step] = out.item() if cpu else out  # item(): no Tensor.__array__ (Python) on the CPU
+        elif cpu:
+            record[step], records_view[step] = out[0].item(), out[1].numpy()
         else:
             record[step], records[step] = out
         if step + 1 - checked >= CHECK_EVERY:
