@@ -191,3 +191,29 @@ def test_train_members_takes_the_numpy_step_only_at_full_batch(monkeypatch):
     assert made == [1] and full.history.shape == (5, 3) and torch.isfinite(full.theta).all()
     ensemble.train_members(lj, theta, LoopSettings(num_steps=5, lr=1e-2, batch_size=8))
     assert made == [1]
+
+
+@pytest.mark.parametrize("approximation", ["molchanov", "kingma", "ard"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_numpy_kl_and_slope_are_kl_log_uniform_and_its_derivative(approximation, dtype, monkeypatch):
+    """The variational-dropout twin's KL written out in numpy: kl_log_uniform's value (to a few ulps of
+    its dtype) and its autograd derivative; a replaced kl_log_uniform gives the value instead."""
+    import numpy as np
+
+    import pyrobdl.guides.variational_dropout as vd
+    from pyrobdl.inference.numpy_elbo import _kl_and_slope
+
+    dt = getattr(torch, dtype)
+    hi = 0.0 if approximation == "kingma" else 8.0
+    la = torch.linspace(-8.0, hi, 1001, dtype=dt).requires_grad_(True)
+    ref = vd.kl_log_uniform(la, approximation)
+    (slope_ref,) = torch.autograd.grad(ref.sum(), la)
+    arr = la.detach().numpy()
+    kl, slope = _kl_and_slope(arr, approximation, arr.dtype.type)
+    assert kl.dtype == slope.dtype == arr.dtype
+    ulp = float(torch.finfo(dt).eps)
+    assert np.max(np.abs(kl - ref.detach().numpy()) / np.maximum(np.abs(ref.detach().numpy()), 1.0)) < 8 * ulp
+    assert np.max(np.abs(slope - slope_ref.numpy()) / np.maximum(np.abs(slope_ref.numpy()), 1.0)) < 8 * ulp
+    monkeypatch.setattr(vd, "kl_log_uniform", lambda t, approximation: torch.full_like(t, 10.0))
+    kl, slope2 = _kl_and_slope(arr, approximation, arr.dtype.type)
+    assert np.all(kl == 10.0) and np.array_equal(slope, slope2)
