@@ -217,3 +217,41 @@ def test_numpy_kl_and_slope_are_kl_log_uniform_and_its_derivative(approximation,
     monkeypatch.setattr(vd, "kl_log_uniform", lambda t, approximation: torch.full_like(t, 10.0))
     kl, slope2 = _kl_and_slope(arr, approximation, arr.dtype.type)
     assert np.all(kl == 10.0) and np.array_equal(slope, slope2)
+
+
+VD_VARIANTS = [  # (guide options, KL): the Monte Carlo KL needs the weights sampled
+    (dict(), "analytic"), (dict(sparse=False), "analytic"), (dict(ard=True), "analytic"),
+    (dict(local_reparameterization=False), "analytic"), (dict(local_reparameterization=False), "monte_carlo"),
+]
+
+
+@pytest.mark.parametrize("variant, kl", VD_VARIANTS,
+                         ids=["molchanov-lrt", "kingma", "ard", "weights-sampled", "weights-sampled-mc-kl"])
+@pytest.mark.parametrize("num_particles, minibatch, beta", [(1, False, 1.0), (3, True, 0.3)])
+def test_variational_dropout_numpy_step_is_the_general_path(variant, kl, num_particles, minibatch, beta):
+    """The same draws (vd_noise, the generator left in the same state) and the same floats, bit for bit."""
+    from pyrobdl.guides import VariationalDropout
+    from pyrobdl.inference.flat_vd import vd_noise
+
+    torch.manual_seed(0)
+    model = pyrobdl.BayesianMLP(3, (5, 4), 1, activation="tanh", prior=pyrobdl.priors.LogUniform())
+    x, y = make_data(model, dtype=torch.float32)
+    y = model.likelihood.prepare_targets(y, model.out_features)
+    idx = torch.tensor([0, 3, 4, 7, 11]) if minibatch else None
+    guide = VariationalDropout(model, init_log_sigma2=-3.0, **variant)
+    elbo = FlatELBO(model, guide, num_particles=num_particles, analytic_kl=kl == "analytic")
+    with torch.no_grad():
+        elbo._params["loc"].add_(0.3 * torch.randn(elbo._params["loc"].shape))
+        elbo._params["spread"].add_(0.5 * torch.randn(elbo._params["spread"].shape))
+    elbo.loss_and_grad(x, y, idx)
+    elbo.kl_weight = beta
+    assert elbo._numpy_step.serves(elbo, x, y, idx)
+    (vector,) = elbo.parameters_to_optimize()
+    torch.manual_seed(11)
+    loss_a = elbo.loss_and_grad(x, y, idx)
+    grad_a, state_a = vector.grad.clone(), torch.get_rng_state()
+    torch.manual_seed(11)
+    noise = vd_noise(guide, elbo._plan, num_particles, x.shape[0] if idx is None else idx.shape[0], elbo._lj)
+    loss_b = elbo.loss_and_grad(x, y, idx, noise=noise)
+    assert torch.equal(loss_a, loss_b) and torch.equal(grad_a, vector.grad)
+    assert torch.equal(state_a, torch.get_rng_state())

@@ -240,8 +240,22 @@ class FlatELBO(torch.nn.Module):
         for v, g in zip(self._vectors(), grads):
             v.grad = g
         if step is None or not step.current(self):
-            self._numpy_step = numpy_elbo.NumpyStep(self)
+            self._numpy_step = self._make_numpy_step()
         return loss
+
+    def _make_numpy_step(self) -> Any:
+        """A :class:`~pyrobdl.inference.numpy_elbo.NumpyStep` for the present log joint and parameters,
+        drawing the noise as the general path does (:meth:`_loss_and_grads`)."""
+        from . import flat_vd
+
+        s = self.num_particles
+        if self.family == "variational_dropout":
+            guide, plan, lj = self.guide, self._plan, self._lj
+            return numpy_elbo.NumpyStep(self, lambda batch: flat_vd.vd_noise(guide, plan, s, batch, lj),
+                                        flat_vd._VAR_FLOOR)
+        loc = self._params["loc"]
+        p, dtype, device = loc.shape[0], loc.dtype, loc.device
+        return numpy_elbo.NumpyStep(self, lambda batch: torch.randn(s, p, dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, subsample: torch.Tensor | None = None) -> torch.Tensor:
         """The negative ELBO as a differentiable scalar, like every other loss of the SVI loop.

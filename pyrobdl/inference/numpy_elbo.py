@@ -142,45 +142,58 @@ def _normal_np(npl, lj, loc, rho, eps, prec, kl_const, idx, beta):
 
 
 class NumpyStep:
-    """A whole small flat SVI step of a mean-field (weight draws) or point-mass guide, in numpy.
+    """A whole small flat SVI step on the CPU in numpy: mean field (weight draws), point mass, variational dropout.
 
     :meth:`FlatELBO.loss_and_grad <pyrobdl.inference.flat_elbo.FlatELBO.loss_and_grad>` calls it
     where :meth:`serves` holds, in place of its general path (inference mode, the family's dispatch,
-    the per-step checks of :func:`normal_usable`, four tensor-to-array conversions): at the SVI
-    benchmark's batch 32 those layers cost about as much as the step's arithmetic.  Made once per
-    log joint and packed vector, it keeps numpy views of the parameters (the optimizer updates them
-    in place); each step it draws the standard normals with the general path's own ``torch.randn``
-    call (the same draws from the same generator) and runs :func:`_normal_np` -- the same floats
-    as the general path -- or :func:`_delta_np` (the same gradient; the loss summed in numpy).
-    Above the log joint's numpy size rule the general path runs (the torch kernel with numpy
-    arithmetic around it measured slower than with torch's, 390-398 against 349-371 CPU µs a
-    mean-field step at full batch on the SVI benchmark).
+    the per-step checks of :func:`normal_usable` / :func:`step_usable`, tensor-to-array
+    conversions): at the SVI benchmark's batch 32 those layers cost about as much as a mean-field
+    step's arithmetic.  Made once per log joint and packed vector, it keeps numpy views of the
+    parameters (the optimizer updates them in place); each step it draws the noise with the general
+    path's own function (``draw``: the same draws from the same generator) and runs the numpy
+    function the general path would (:func:`_normal_np`, :func:`_vd_np`: the same floats) or
+    :func:`_delta_np` (the same gradient; the loss summed in numpy).  Above the log joint's numpy
+    size rule the general path runs (the torch kernel with numpy arithmetic around it measured
+    slower than with torch's, 390-398 against 349-371 CPU µs a mean-field step at full batch on
+    the SVI benchmark).
 
     Parameters
     ----------
     elbo : FlatELBO
         Its log joint must be built (``elbo._lj``).
+    draw : callable or None
+        ``draw(batch)``: one step's noise as the general path draws it (standard normals ``[S, P]``
+        for mean field; :func:`~pyrobdl.inference.flat_vd.vd_noise`'s dict for variational
+        dropout); None for a point mass.
+    var_floor : float
+        Variational dropout's floor of the locally reparameterized variances.
     """
 
-    def __init__(self, elbo: Any) -> None:
+    def __init__(self, elbo: Any, draw: Any, var_floor: float = 0.0) -> None:
         lj = self.lj = elbo._lj
         (self.x, self.y), self.params = elbo._data, elbo._params  # the tensors the log joint was made for
-        self.family = elbo.family
+        self.family, self.draw, self.floor = elbo.family, draw, var_floor
         self.rows = 1 if self.family == "delta" else elbo.num_particles
-        # the Monte Carlo KL and a learned precision keep the general path (as normal_usable says)
-        self.ok = (self.family == "delta" or (self.family == "normal" and elbo._plan is None and elbo.analytic_kl)) \
-            and lj.precision_index is None and lj.device.type == "cpu" and lj.dtype in (torch.float32, torch.float64)
+        # the Monte Carlo Gaussian KL, local reparameterization of a mean-field guide and a learned
+        # precision keep the general path (as normal_usable and step_usable say)
+        family_ok = (self.family in ("delta", "variational_dropout")
+                     or (self.family == "normal" and elbo._plan is None and elbo.analytic_kl))
+        self.ok = family_ok and lj.precision_index is None and lj.device.type == "cpu" \
+            and lj.dtype in (torch.float32, torch.float64)
         if not self.ok:
             return
-        loc = elbo._params["loc"]
-        self.vector = elbo._params["vector"]
         self.npl = _nk.plan_of(lj)
-        self.size, self.dtype = loc.shape[0], loc.dtype
-        self.loc = loc.detach().numpy()
-        self.rho = None if self.family == "delta" else elbo._params["scale"].detach().numpy()
-        self.prec = elbo._prec.numpy()
-        self.kl_const = elbo._kl_const
+        self.vector = elbo._params["vector"]
+        self.loc = elbo._params["loc"].detach().numpy()
         self.full = _nk.usable_rows(lj, self.rows, None)
+        self.analytic = elbo.analytic_kl
+        if self.family == "variational_dropout":
+            self.guide, self.plan = elbo.guide, elbo._plan
+            self.spread = elbo._params["spread"].detach().numpy()
+            self.index = (elbo._plan.sparse.numpy(), elbo._plan.other.numpy())
+        elif self.family == "normal":
+            self.rho = elbo._params["scale"].detach().numpy()
+            self.prec, self.kl_const = elbo._prec.numpy(), elbo._kl_const
 
     def current(self, elbo: Any) -> bool:
         """Whether this step was made for ``elbo``'s present log joint and parameters."""
@@ -203,15 +216,20 @@ class NumpyStep:
     def run(self, elbo: Any, subsample: torch.Tensor | None) -> torch.Tensor:
         """The negative ELBO (a 0-d tensor); sets the packed vector's ``.grad``."""
         idx = None if subsample is None else subsample.numpy()
-        beta = elbo.kl_weight
+        beta, lj = elbo.kl_weight, self.lj
         if self.family == "delta":
             with np.errstate(all="ignore"):
-                loss, grad = _delta_np(self.npl, self.lj, self.loc, idx, beta)
-        else:
-            eps = torch.randn(self.rows, self.size, dtype=self.dtype)  # FlatELBO._loss_and_grads_normal's draws
+                loss, grad = _delta_np(self.npl, lj, self.loc, idx, beta)
+        elif self.family == "normal":
+            eps = self.draw(None).numpy()
             with np.errstate(all="ignore"):
-                loss, grad = _normal_np(self.npl, self.lj, self.loc, self.rho, eps.numpy(), self.prec, self.kl_const,
-                                        idx, beta)
+                loss, grad = _normal_np(self.npl, lj, self.loc, self.rho, eps, self.prec, self.kl_const, idx, beta)
+        else:
+            noise = self.draw(lj.num_data if subsample is None else subsample.shape[-1])
+            pre = [e.numpy() for e in noise["preactivations"]] if "preactivations" in noise else None
+            with np.errstate(all="ignore"):
+                loss, grad = _vd_np(self.guide, self.plan, self.npl, lj, self.loc, self.spread, noise["eps"].numpy(),
+                                    pre, idx, self.analytic, beta, self.floor, *self.index)
         self.vector.grad = torch.from_numpy(grad)
         return torch.from_numpy(np.asarray(loss))
 
