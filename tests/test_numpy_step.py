@@ -255,3 +255,42 @@ def test_variational_dropout_numpy_step_is_the_general_path(variant, kl, num_par
     loss_b = elbo.loss_and_grad(x, y, idx, noise=noise)
     assert torch.equal(loss_a, loss_b) and torch.equal(grad_a, vector.grad)
     assert torch.equal(state_a, torch.get_rng_state())
+
+
+@pytest.mark.parametrize("baseline", ["none", "decaying_average", "leave_one_out", "vargrad"])
+@pytest.mark.parametrize("analytic_kl, minibatch, beta", [(False, False, 1.0), (True, True, 0.3)])
+def test_score_function_small_step_is_the_general_path(baseline, analytic_kl, minibatch, beta, monkeypatch):
+    """BBVI's small CPU step goes straight to the numpy twin: the same draws and floats, bit for bit, as
+    the general path on two estimators of the same guide (a decaying average's state included)."""
+    import copy
+
+    from pyrobdl.guides import ScoreFunction
+    from pyrobdl.inference.flat_score_function import FlatScoreFunctionELBO
+
+    torch.manual_seed(0)
+    model = pyrobdl.BayesianMLP(3, (5,), 1, activation="tanh")
+    x, y = make_data(model, dtype=torch.float32)
+    y = model.likelihood.prepare_targets(y, model.out_features)
+    idx = torch.tensor([0, 3, 4, 7, 11]) if minibatch else None
+    guide = ScoreFunction(model, baseline=baseline, init_scale=0.3)
+    ests = [FlatScoreFunctionELBO(model, g, num_particles=4, analytic_kl=analytic_kl)
+            for g in (guide, copy.deepcopy(guide))]
+    general = []
+    real = FlatScoreFunctionELBO._loss_and_grads
+    monkeypatch.setattr(FlatScoreFunctionELBO, "_loss_and_grads", lambda self, *a: general.append(self) or real(self, *a))
+    out = []
+    for k, est in enumerate(ests):
+        est.kl_weight = beta
+        (vector,) = est.parameters_to_optimize()
+        torch.manual_seed(5)
+        rows = []
+        for _ in range(3):  # the first step builds the log joint; the later ones take the small step (k = 0)
+            noise = None if k == 0 else est.draw(vector)
+            loss = est.loss_and_grad(x, y, idx, noise=noise)
+            rows.append((loss.clone(), vector.grad.clone()))
+        out.append((rows, torch.get_rng_state()))
+    assert general.count(ests[0]) == 1 and general.count(ests[1]) == 3  # the small step took the later two
+    (rows_a, state_a), (rows_b, state_b) = out
+    for (la, ga), (lb, gb) in zip(rows_a, rows_b):
+        assert torch.equal(la, lb) and torch.equal(ga, gb)
+    assert torch.equal(state_a, state_b)

@@ -126,6 +126,7 @@ class FlatScoreFunctionELBO(DirectScoreFunctionELBO):
         self._lj: FlatLogJoint | None = None
         self._data: tuple[torch.Tensor, torch.Tensor] | None = None
         self._flat_average: torch.Tensor | None = None  # the decaying averages [P, S]
+        self._numpy_arrays: tuple | None = None  # the numpy twin's arrays of the log joint's tensors below
         self.parameters_to_optimize()
 
     def parameters_to_optimize(self) -> list[torch.Tensor]:
@@ -181,8 +182,15 @@ class FlatScoreFunctionELBO(DirectScoreFunctionELBO):
         noise : torch.Tensor, optional
             The standard normals ``[P, D]`` of the step (default: :meth:`draw`).
         """
-        with torch.inference_mode():  # as FlatELBO.loss_and_grad: the gradient is only read outside it
-            loss, (grad,) = self._loss_and_grads(x, y, subsample, noise)
+        lj = self._lj
+        if (noise is None and lj is not None and self._data[0] is x and self._data[1] is y
+                and numpy_elbo.step_usable_rows(lj, self.num_particles, subsample, self.kl_weight)):
+            # a small CPU step: straight to the numpy twin (what _loss_and_grads calls there, without
+            # its inference mode and dispatch), the same draws and the same floats
+            loss, grad = numpy_elbo.score_loss_and_grad(self, lj, self._vector, self.draw(self._vector), subsample)
+        else:
+            with torch.inference_mode():  # as FlatELBO.loss_and_grad: the gradient is only read outside it
+                loss, (grad,) = self._loss_and_grads(x, y, subsample, noise)
         self._vector.grad = grad
         return loss
 

@@ -249,8 +249,13 @@ def step_usable(lj: Any, eps: torch.Tensor, idx: torch.Tensor | None, beta: Any,
     """Whether :func:`vd_loss_and_grads` (a variational-dropout step) or :func:`score_loss_and_grad` (a BBVI
     step) serves a step of noise ``eps`` ``[particles, ...]``: no learned precision, a number as the KL
     weight ``beta``, the log joint's numpy rule at the step's particles, eagerly."""
+    return step_usable_rows(lj, eps.shape[0], idx, beta, functional)
+
+
+def step_usable_rows(lj: Any, rows: int, idx: torch.Tensor | None, beta: Any, functional: bool = False) -> bool:
+    """:func:`step_usable` for noise of ``rows`` particles."""
     return (lj.precision_index is None and isinstance(beta, (int, float)) and not isinstance(beta, bool)
-            and usable(lj, eps.shape[0], idx, functional))
+            and usable(lj, rows, idx, functional))
 
 
 def vd_loss_and_grads(guide: Any, plan: Any, lj: Any, loc: torch.Tensor, spread: torch.Tensor, noise: dict,
@@ -367,14 +372,18 @@ def score_loss_and_grad(est: Any, lj: Any, vector: torch.Tensor, eps: torch.Tens
     v, e = vector.detach().numpy(), eps.detach().numpy()
     idx = None if subsample is None else subsample.numpy()
     old = est._flat_average
+    arrays = est._numpy_arrays
+    if arrays is None or arrays[0] is not lj:  # the estimator's per-coordinate tensors as arrays, once per log joint
+        arrays = est._numpy_arrays = (lj, lj._prior_prec.numpy(), est._half_log_prec.numpy(), est._own_sites.numpy(),
+                                      est._index.numpy(), est._gaussian.numpy())
     with np.errstate(all="ignore"):
-        loss, grad, average = _score_np(est, npl, lj, v, e, idx, None if old is None else old.numpy())
+        loss, grad, average = _score_np(est, npl, lj, v, e, idx, None if old is None else old.numpy(), *arrays[1:])
     if average is not None:
         est._flat_average = torch.from_numpy(average)
     return torch.from_numpy(np.asarray(loss)), torch.from_numpy(grad)
 
 
-def _score_np(est, npl, lj, v, eps, idx, old):
+def _score_np(est, npl, lj, v, eps, idx, old, prec, half_log_prec, own_sites, index, gaussian):
     dt = v.dtype.type
     p, d = eps.shape
     loc, rho = v[:d], v[d:]
@@ -382,10 +391,9 @@ def _score_np(est, npl, lj, v, eps, idx, old):
     theta = eps * sigma + loc  # [P, D]
     x, y, scale = (npl.x, npl.y, 1.0) if idx is None else (npl.x[idx], npl.y[idx], lj.num_data / idx.shape[0])
     ll = _nk.output_log_lik(npl, lj, _nk._forward(npl, theta, x, p)[2], y, theta, scale)[0]  # [P]
-    prec = lj._prior_prec.numpy()
     # log p - log q per coordinate (Gaussian prior): -prec theta^2/2 + eps^2/2 + log sigma + log(prec)/2
-    elem = (theta * theta) * (dt(-0.5) * prec) + dt(0.5) * (eps * eps) + (np.log(sigma) + est._half_log_prec.numpy())
-    own = np.add.reduceat(elem, est._site_starts, axis=1) * est._own_sites.numpy()  # [P, S]
+    elem = (theta * theta) * (dt(-0.5) * prec) + dt(0.5) * (eps * eps) + (np.log(sigma) + half_log_prec)
+    own = np.add.reduceat(elem, est._site_starts, axis=1) * own_sites  # [P, S]
     beta = est.kl_weight
     if beta != 1.0:
         own = own * dt(beta)
@@ -401,13 +409,13 @@ def _score_np(est, npl, lj, v, eps, idx, old):
             old = np.zeros_like(cost)
         average = dt(est.beta) * old + dt(1 - est.beta) * cost
         cost = cost - old
-    c = cost[:, est._index.numpy()]  # [P, D]
+    c = cost[:, index]  # [P, D]
     inv = (dt(1.0) / sigma) * dt(-1.0 / p)
     g_loc = (c * eps).sum(0) * inv
     g_sigma = (c * (eps * eps - dt(1.0))).sum(0) * inv
     kl = 0.0
     if est.analytic_kl:
-        mask = est._gaussian.numpy()
+        mask = gaussian
         kl = (dt(est._kl_const) - np.where(mask, np.log(sigma), dt(0.0)).sum()
               + dt(0.5) * (prec * (sigma * sigma + loc * loc)).sum()) * dt(beta)
         g_loc = g_loc + prec * loc * dt(beta)
