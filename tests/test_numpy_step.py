@@ -294,3 +294,44 @@ def test_score_function_small_step_is_the_general_path(baseline, analytic_kl, mi
     for (la, ga), (lb, gb) in zip(rows_a, rows_b):
         assert torch.equal(la, lb) and torch.equal(ga, gb)
     assert torch.equal(state_a, state_b)
+
+
+@pytest.mark.parametrize("kind", ["bernoulli", "gaussian"])
+@pytest.mark.parametrize("num_particles, minibatch, beta", [(1, False, 1.0), (3, True, 0.3)])
+@pytest.mark.parametrize("hidden", [(5,), (4, 3)])
+def test_dropout_numpy_step_is_the_general_path(float64, kind, num_particles, minibatch, beta, hidden):
+    """MC dropout with the closed-form KL: the same draws (dropout_noise, the generator left in the same
+    state); the same floats up to float64 rounding (the Gaussian rows' column norms are summed by
+    numpy's add.at instead of torch's index_add_)."""
+    from pyrobdl.guides import Dropout
+    from pyrobdl.inference.flat_dropout import dropout_noise
+
+    torch.manual_seed(0)
+    model = pyrobdl.BayesianMLP(3, hidden, 1, activation="tanh")
+    x, y = make_data(model)
+    y = model.likelihood.prepare_targets(y, model.out_features)
+    idx = torch.tensor([0, 3, 4, 7, 11]) if minibatch else None
+    guide = Dropout(model, p=[0.1, 0.3, 0.2][: len(hidden) + 1], sigma=0.05, kind=kind)
+    elbo = _fitted(model, guide, x, y, idx, num_particles=num_particles)
+    elbo.kl_weight = beta
+    assert elbo._numpy_step.serves(elbo, x, y, idx)
+    (vector,) = elbo.parameters_to_optimize()
+    torch.manual_seed(11)
+    loss_a = elbo.loss_and_grad(x, y, idx)
+    grad_a, state_a = vector.grad.clone(), torch.get_rng_state()
+    torch.manual_seed(11)
+    loss_b = elbo.loss_and_grad(x, y, idx, noise=dropout_noise(guide, elbo._plan, num_particles, elbo._lj))
+    assert torch.equal(state_a, torch.get_rng_state())
+    assert abs(float(loss_a - loss_b)) / max(1.0, abs(float(loss_b))) < TOL64
+    assert float((grad_a - vector.grad).abs().max() / vector.grad.abs().max()) < TOL64
+    if kind == "bernoulli":  # no column norms: the same operations
+        assert torch.equal(loss_a, loss_b) and torch.equal(grad_a, vector.grad)
+
+
+def test_dropout_with_a_monte_carlo_kl_keeps_the_general_path():
+    from pyrobdl.guides import Dropout
+
+    model, x, y = _small()
+    elbo = FlatELBO(model, Dropout(model), analytic_kl=False)
+    elbo.loss_and_grad(x, y)
+    assert not elbo._numpy_step.ok and not elbo._numpy_step.serves(elbo, x, y, None)

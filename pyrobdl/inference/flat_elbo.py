@@ -253,6 +253,11 @@ class FlatELBO(torch.nn.Module):
             guide, plan, lj = self.guide, self._plan, self._lj
             return numpy_elbo.NumpyStep(self, lambda batch: flat_vd.vd_noise(guide, plan, s, batch, lj),
                                         flat_vd._VAR_FLOOR)
+        if self.family == "dropout":
+            from . import flat_dropout
+
+            guide, plan, lj = self.guide, self._plan, self._lj
+            return numpy_elbo.NumpyStep(self, lambda batch: flat_dropout.dropout_noise(guide, plan, s, lj))
         loc = self._params["loc"]
         p, dtype, device = loc.shape[0], loc.dtype, loc.device
         return numpy_elbo.NumpyStep(self, lambda batch: torch.randn(s, p, dtype=dtype, device=device))

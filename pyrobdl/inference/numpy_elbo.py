@@ -22,6 +22,7 @@ Equal to the torch versions up to float rounding: the flat paths' Pyro-equality 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -177,7 +178,8 @@ class NumpyStep:
         # the Monte Carlo Gaussian KL, local reparameterization of a mean-field guide and a learned
         # precision keep the general path (as normal_usable and step_usable say)
         family_ok = (self.family in ("delta", "variational_dropout")
-                     or (self.family == "normal" and elbo._plan is None and elbo.analytic_kl))
+                     or (self.family in ("normal", "dropout") and elbo.analytic_kl
+                         and (self.family == "dropout" or elbo._plan is None)))
         self.ok = family_ok and lj.precision_index is None and lj.device.type == "cpu" \
             and lj.dtype in (torch.float32, torch.float64)
         if not self.ok:
@@ -194,6 +196,11 @@ class NumpyStep:
         elif self.family == "normal":
             self.rho = elbo._params["scale"].detach().numpy()
             self.prec, self.kl_const = elbo._prec.numpy(), elbo._kl_const
+        elif self.family == "dropout":
+            plan = elbo._plan
+            self.guide, self.layers = elbo.guide, plan.layers
+            self.arrays = (plan.col.numpy(), plan.keep.numpy(), plan.alpha.numpy(), plan.prec.numpy(), plan.kl_const,
+                           plan.num_units)
 
     def current(self, elbo: Any) -> bool:
         """Whether this step was made for ``elbo``'s present log joint and parameters."""
@@ -224,6 +231,11 @@ class NumpyStep:
             eps = self.draw(None).numpy()
             with np.errstate(all="ignore"):
                 loss, grad = _normal_np(self.npl, lj, self.loc, self.rho, eps, self.prec, self.kl_const, idx, beta)
+        elif self.family == "dropout":
+            noise = self.draw(None)
+            with np.errstate(all="ignore"):
+                loss, grad = _dropout_np(self.npl, lj, self.loc, noise["multipliers"].numpy(), noise["eps"].numpy(),
+                                         idx, beta, self.guide.sigma, self.guide.kind, self.layers, *self.arrays)
         else:
             noise = self.draw(lj.num_data if subsample is None else subsample.shape[-1])
             pre = [e.numpy() for e in noise["preactivations"]] if "preactivations" in noise else None
@@ -232,6 +244,28 @@ class NumpyStep:
                                     pre, idx, self.analytic, beta, self.floor, *self.index)
         self.vector.grad = torch.from_numpy(grad)
         return torch.from_numpy(np.asarray(loss))
+
+
+def _dropout_np(npl, lj, m, mult, eps, idx, beta, sigma, kind, layers, col, keep, alpha, prec, kl_const, units):
+    """:func:`~pyrobdl.inference.flat_dropout.dropout_loss_and_grads` with the closed-form KL and no learned
+    precision (then the means ``m`` are the whole layout), on arrays; the plan's tensors as arrays."""
+    dt = m.dtype.type
+    s, p_w = eps.shape[0], m.shape[0]
+    c = np.concatenate([mult, np.ones((s, 1), dtype=m.dtype)], 1)[:, col]  # [S, P]: each coordinate's multiplier
+    theta = eps * dt(sigma) + c * m
+    ll, g = _nk.value_and_grad_np(npl, lj, theta, idx, False)
+    # flat_dropout._analytic_kl
+    kl = dt(kl_const - p_w * math.log(sigma)) + dt(0.5) * (prec * (dt(sigma * sigma) + keep * m * m)).sum()
+    d_m = prec * keep * m
+    if kind == "gaussian":
+        norm = np.zeros(units + 1, dtype=m.dtype)
+        np.add.at(norm, col, m * m)
+        big = dt(sigma * sigma) + alpha * norm[col]  # sigma^2 + alpha |m_j|^2, per coordinate
+        for _, _, inp, p, start in layers:
+            kl = kl - dt(0.5) * np.log1p(dt(p / (1.0 - p)) * norm[start : start + inp] / dt(sigma * sigma)).sum()
+        d_m = d_m - alpha * m / big
+    grad = d_m * dt(beta) - _mean0(g * c, s, dt)
+    return _mean0(dt(beta) * kl - ll, s, dt), grad
 
 
 def _delta_np(npl, lj, theta, idx, beta):
