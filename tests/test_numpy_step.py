@@ -335,3 +335,20 @@ def test_dropout_with_a_monte_carlo_kl_keeps_the_general_path():
     elbo = FlatELBO(model, Dropout(model), analytic_kl=False)
     elbo.loss_and_grad(x, y)
     assert not elbo._numpy_step.ok and not elbo._numpy_step.serves(elbo, x, y, None)
+
+
+@pytest.mark.parametrize("change", ["num_particles", "analytic_kl"])
+def test_numpy_step_follows_the_elbos_settings(change):
+    """Particles and the KL treatment are read when the step is made: changing either on the ELBO makes
+    the next step a general one, which makes a new numpy step (or none) for the new settings."""
+    model, x, y = _small()
+    elbo = FlatELBO(model, MeanField(model))
+    elbo.loss_and_grad(x, y)
+    step = elbo._numpy_step
+    assert step.serves(elbo, x, y, None)
+    setattr(elbo, change, 3 if change == "num_particles" else False)
+    assert not step.serves(elbo, x, y, None)
+    elbo.loss_and_grad(x, y)
+    assert elbo._numpy_step is not step
+    assert elbo._numpy_step.serves(elbo, x, y, None) == (change == "num_particles")
+    assert elbo._numpy_step.rows == elbo.num_particles

@@ -174,6 +174,7 @@ class NumpyStep:
         lj = self.lj = elbo._lj
         (self.x, self.y), self.params = elbo._data, elbo._params  # the tensors the log joint was made for
         self.family, self.draw, self.floor = elbo.family, draw, var_floor
+        self.particles, self.analytic = elbo.num_particles, elbo.analytic_kl
         self.rows = 1 if self.family == "delta" else elbo.num_particles
         # the Monte Carlo Gaussian KL, local reparameterization of a mean-field guide and a learned
         # precision keep the general path (as normal_usable and step_usable say)
@@ -188,7 +189,6 @@ class NumpyStep:
         self.vector = elbo._params["vector"]
         self.loc = elbo._params["loc"].detach().numpy()
         self.full = _nk.usable_rows(lj, self.rows, None)
-        self.analytic = elbo.analytic_kl
         if self.family == "variational_dropout":
             self.guide, self.plan = elbo.guide, elbo._plan
             self.spread = elbo._params["spread"].detach().numpy()
@@ -203,15 +203,15 @@ class NumpyStep:
                            plan.num_units)
 
     def current(self, elbo: Any) -> bool:
-        """Whether this step was made for ``elbo``'s present log joint and parameters."""
-        return elbo._lj is self.lj and elbo._params is self.params
+        """Whether this step was made for ``elbo``'s present log joint, parameters and settings."""
+        return (elbo._lj is self.lj and elbo._params is self.params and elbo.num_particles == self.particles
+                and elbo.analytic_kl == self.analytic)
 
     def serves(self, elbo: Any, x: torch.Tensor, y: torch.Tensor, subsample: torch.Tensor | None) -> bool:
         """Whether :meth:`run` computes this step: the same data, log joint and parameters as when it was
-        made, the log joint's numpy rule (:func:`~pyrobdl.flat.numpy_kernel.usable_rows`) at this
-        minibatch, and a number as the KL weight."""
-        if not (self.ok and x is self.x and y is self.y and elbo._lj is self.lj and elbo._params is self.params
-                and self.lj.numpy_kernel):
+        made (and its particles and KL treatment), the log joint's numpy rule
+        (:func:`~pyrobdl.flat.numpy_kernel.usable_rows`) at this minibatch, and a number as the KL weight."""
+        if not (self.ok and x is self.x and y is self.y and self.current(elbo) and self.lj.numpy_kernel):
             return False
         beta = elbo.kl_weight
         if not isinstance(beta, (int, float)) or isinstance(beta, bool):
