@@ -100,8 +100,7 @@ def _small():
     return model, x, y
 
 
-@pytest.mark.parametrize("setting", ["monte_carlo_kl", "learned_precision", "local_reparameterization",
-                                     "numpy_kernel_off", "tensor_beta", "bool_beta", "large_batch",
+@pytest.mark.parametrize("setting", ["monte_carlo_kl", "learned_precision", "numpy_kernel_off", "tensor_beta", "bool_beta", "large_batch",
                                      "per_row_minibatch", "other_data"])
 def test_numpy_step_leaves_what_it_does_not_cover_to_the_general_path(monkeypatch, setting):
     model, x, y = _small()
@@ -110,8 +109,6 @@ def test_numpy_step_leaves_what_it_does_not_cover_to_the_general_path(monkeypatc
         kw["analytic_kl"] = False
     elif setting == "learned_precision":
         model = pyrobdl.BayesianMLP(2, (4,), 1, likelihood=pyrobdl.likelihoods.GaussianLearnedPrecision())
-    elif setting == "local_reparameterization":
-        guide_kw["local_reparameterization"] = True
     elbo = FlatELBO(model, MeanField(model, **guide_kw), **kw)
     elbo.loss_and_grad(x, y, idx)
     step = elbo._numpy_step
@@ -352,3 +349,34 @@ def test_numpy_step_follows_the_elbos_settings(change):
     assert elbo._numpy_step is not step
     assert elbo._numpy_step.serves(elbo, x, y, None) == (change == "num_particles")
     assert elbo._numpy_step.rows == elbo.num_particles
+
+
+@pytest.mark.parametrize("case", NUMPY_CASES, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("num_particles, minibatch, beta", [(1, False, 1.0), (3, True, 0.3)])
+def test_mean_field_local_reparameterization_numpy_step_is_the_general_path(float64, case, num_particles, minibatch,
+                                                                           beta):
+    """Local reparameterization: the same draws (normal_lrt_noise, the generator left in the same state); the
+    likelihood the same numpy function, the KL and chain rule in numpy instead of torch (float64 rounding)."""
+    from pyrobdl.inference.flat_vd import normal_lrt_noise
+
+    prior, lik, hidden, act = case
+    torch.manual_seed(0)
+    model = make_model(prior, lik, hidden, act)
+    x, y = make_data(model)
+    x[0] = 0.0  # a zero input row: the pre-activation variance hits the floor
+    y = model.likelihood.prepare_targets(y, model.out_features)
+    idx = torch.tensor([0, 3, 4, 7, 11]) if minibatch else None
+    elbo = _fitted(model, MeanField(model, init_scale=0.3, local_reparameterization=True), x, y, idx,
+                   num_particles=num_particles)
+    elbo.kl_weight = beta
+    assert elbo._numpy_step.serves(elbo, x, y, idx)
+    (vector,) = elbo.parameters_to_optimize()
+    torch.manual_seed(11)
+    loss_a = elbo.loss_and_grad(x, y, idx)
+    grad_a, state_a = vector.grad.clone(), torch.get_rng_state()
+    torch.manual_seed(11)
+    noise = normal_lrt_noise(elbo._plan, num_particles, x.shape[0] if idx is None else idx.shape[0], elbo._lj)
+    loss_b = elbo.loss_and_grad(x, y, idx, noise=noise)
+    assert torch.equal(state_a, torch.get_rng_state())
+    assert abs(float(loss_a - loss_b)) / max(1.0, abs(float(loss_b))) < TOL64
+    assert float((grad_a - vector.grad).abs().max() / vector.grad.abs().max()) < TOL64

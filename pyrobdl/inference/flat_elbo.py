@@ -258,6 +258,10 @@ class FlatELBO(torch.nn.Module):
 
             guide, plan, lj = self.guide, self._plan, self._lj
             return numpy_elbo.NumpyStep(self, lambda batch: flat_dropout.dropout_noise(guide, plan, s, lj))
+        if self._plan is not None:  # mean field with local reparameterization
+            plan, lj = self._plan, self._lj
+            return numpy_elbo.NumpyStep(self, lambda batch: flat_vd.normal_lrt_noise(plan, s, batch, lj),
+                                        flat_vd._VAR_FLOOR)
         loc = self._params["loc"]
         p, dtype, device = loc.shape[0], loc.dtype, loc.device
         return numpy_elbo.NumpyStep(self, lambda batch: torch.randn(s, p, dtype=dtype, device=device))

@@ -120,12 +120,18 @@ def normal_loss_and_grad(lj: Any, kl_terms: tuple, loc: torch.Tensor, rho: torch
     return torch.from_numpy(np.asarray(loss)), torch.from_numpy(grad)
 
 
-def _normal_np(npl, lj, loc, rho, eps, prec, kl_const, idx, beta):
+def _normal_np(npl, lj, loc, rho, eps, prec, kl_const, idx, beta, lrt=None):
+    """The mean-field step on arrays; ``lrt``: (plan, pre-activation noise, variance floor) with local
+    reparameterization (:func:`~pyrobdl.inference.flat_elbo.normal_loss_and_grad`'s ``plan`` and
+    ``preactivations``)."""
     dt = loc.dtype.type
     s, p = eps.shape
     sigma = _softplus(rho)
     theta = loc + sigma * eps  # [S, P]
-    ll, g = _nk.value_and_grad_np(npl, lj, theta, idx, False)
+    if lrt is None:
+        ll, g = _nk.value_and_grad_np(npl, lj, theta, idx, False)
+    else:  # the weights reach the likelihood through sampled pre-activations; g is zero at them
+        ll, g_mu, g_var, g = _lrt_np(lrt[0], npl, lj, loc, sigma * sigma, theta, idx, lrt[1], lrt[2])
     kl = dt(kl_const) - np.log(sigma).sum() + dt(0.5) * (prec * (sigma * sigma + loc * loc)).sum()
     d_loc = prec * loc
     d_sigma = prec * sigma - dt(1.0) / sigma
@@ -133,6 +139,9 @@ def _normal_np(npl, lj, loc, rho, eps, prec, kl_const, idx, beta):
         g_loc, g_sigma = g[0], g[0] * eps[0]
     else:
         g_loc, g_sigma = _mean0(g, s, dt), _mean0(g * eps, s, dt)
+    if lrt is not None:
+        g_loc = g_loc + dt(1.0 / s) * g_mu
+        g_sigma = g_sigma + dt(2.0 / s) * (sigma * g_var)
     if beta != 1.0:
         d_loc, d_sigma, kl = d_loc * dt(beta), d_sigma * dt(beta), kl * dt(beta)
     loss = _mean0(kl - ll, s, dt)
@@ -178,9 +187,8 @@ class NumpyStep:
         self.rows = 1 if self.family == "delta" else elbo.num_particles
         # the Monte Carlo Gaussian KL, local reparameterization of a mean-field guide and a learned
         # precision keep the general path (as normal_usable and step_usable say)
-        family_ok = (self.family in ("delta", "variational_dropout")
-                     or (self.family in ("normal", "dropout") and elbo.analytic_kl
-                         and (self.family == "dropout" or elbo._plan is None)))
+        family_ok = self.family in ("delta", "variational_dropout") or (
+            self.family in ("normal", "dropout") and elbo.analytic_kl)
         self.ok = family_ok and lj.precision_index is None and lj.device.type == "cpu" \
             and lj.dtype in (torch.float32, torch.float64)
         if not self.ok:
@@ -196,6 +204,7 @@ class NumpyStep:
         elif self.family == "normal":
             self.rho = elbo._params["scale"].detach().numpy()
             self.prec, self.kl_const = elbo._prec.numpy(), elbo._kl_const
+            self.plan = elbo._plan  # NormalLRTPlan with local reparameterization, else None
         elif self.family == "dropout":
             plan = elbo._plan
             self.guide, self.layers = elbo.guide, plan.layers
@@ -227,10 +236,16 @@ class NumpyStep:
         if self.family == "delta":
             with np.errstate(all="ignore"):
                 loss, grad = _delta_np(self.npl, lj, self.loc, idx, beta)
-        elif self.family == "normal":
+        elif self.family == "normal" and self.plan is None:
             eps = self.draw(None).numpy()
             with np.errstate(all="ignore"):
                 loss, grad = _normal_np(self.npl, lj, self.loc, self.rho, eps, self.prec, self.kl_const, idx, beta)
+        elif self.family == "normal":  # local reparameterization
+            noise = self.draw(lj.num_data if subsample is None else subsample.shape[-1])
+            pre = [e.numpy() for e in noise["preactivations"]]
+            with np.errstate(all="ignore"):
+                loss, grad = _normal_np(self.npl, lj, self.loc, self.rho, noise["eps"].numpy(), self.prec,
+                                        self.kl_const, idx, beta, (self.plan, pre, self.floor))
         elif self.family == "dropout":
             noise = self.draw(None)
             with np.errstate(all="ignore"):
