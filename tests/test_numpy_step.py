@@ -29,16 +29,30 @@ def _fitted(model, guide, x, y, idx, **kw):
     return elbo
 
 
-def _both_paths(elbo, x, y, idx, num_draws):
-    """(loss, grad, generator state after) from the numpy step and from the general path, from one seed."""
-    (vector,) = elbo.parameters_to_optimize()
+def _both_paths(elbo, x, y, idx, draw):
+    """(loss, grad, generator state after) from the numpy step and from the general path, from one seed;
+    ``draw()``: the general path's noise for the step, drawn as it draws it (None: no draws)."""
+    step = elbo._numpy_step
+    assert step.serves(elbo, x, y, idx)
+    vector = elbo._vectors()[0]  # (parameters_to_optimize() would re-read the packing: a new step)
+    ran = []
+    run = step.run
+    step.run = lambda *a: ran.append(1) or run(*a)
     torch.manual_seed(11)
     loss = elbo.loss_and_grad(x, y, idx)  # the numpy step: its own draws
+    assert ran == [1]
     fast = (loss.clone(), vector.grad.clone(), torch.get_rng_state())
     torch.manual_seed(11)
-    noise = torch.randn(elbo.num_particles, num_draws, dtype=vector.dtype) if num_draws else None
-    loss = elbo.loss_and_grad(x, y, idx, noise=noise)  # noise given: the general path
+    loss = elbo.loss_and_grad(x, y, idx, noise=draw())  # noise given: the general path
     return fast, (loss.clone(), vector.grad.clone(), torch.get_rng_state())
+
+
+def _close(a, b):
+    """Loss and gradient of the two paths equal to float64 rounding, the generator in the same state."""
+    (loss_a, grad_a, state_a), (loss_b, grad_b, state_b) = a, b
+    assert torch.equal(state_a, state_b)
+    assert abs(float(loss_a - loss_b)) / max(1.0, abs(float(loss_b))) < TOL64
+    assert float((grad_a - grad_b).abs().max() / grad_b.abs().max()) < TOL64
 
 
 NUMPY_CASES = [c for c in CASES if not c[1].startswith("learned")]  # a learned precision keeps the general path
@@ -62,9 +76,9 @@ def test_mean_field_numpy_step_is_the_general_path(case, num_particles, minibatc
         idx = torch.tensor([0, 3, 4, 7, 11]) if minibatch else None
         elbo = _fitted(model, MeanField(model, init_scale=0.3), x, y, idx, num_particles=num_particles)
         elbo.kl_weight = beta
-        assert elbo._numpy_step.serves(elbo, x, y, idx)
-        size = elbo.parameters_to_optimize()[0].shape[0] // 2
-        (loss_a, grad_a, state_a), (loss_b, grad_b, state_b) = _both_paths(elbo, x, y, idx, size)
+        size = elbo._vectors()[0].shape[0] // 2
+        (loss_a, grad_a, state_a), (loss_b, grad_b, state_b) = _both_paths(
+            elbo, x, y, idx, lambda: torch.randn(num_particles, size, dtype=dt))
     finally:
         torch.set_default_dtype(old)
     assert loss_a.dtype == loss_b.dtype == dt and loss_a.shape == loss_b.shape == ()
@@ -86,11 +100,9 @@ def test_map_numpy_step_is_the_general_path(float64, case, beta):
     idx = torch.tensor([1, 2, 5, 6])
     elbo = _fitted(model, MAP(model), x, y, idx)
     elbo.kl_weight = beta
-    assert elbo._numpy_step.serves(elbo, x, y, idx)
-    (loss_a, grad_a, state_a), (loss_b, grad_b, state_b) = _both_paths(elbo, x, y, idx, 0)
-    assert abs(float(loss_a - loss_b)) / max(1.0, abs(float(loss_b))) < TOL64
-    assert torch.equal(grad_a, grad_b)
-    assert torch.equal(state_a, state_b)
+    fast, general = _both_paths(elbo, x, y, idx, lambda: None)
+    _close(fast, general)
+    assert torch.equal(fast[1], general[1])
 
 
 def _small():
@@ -242,16 +254,9 @@ def test_variational_dropout_numpy_step_is_the_general_path(variant, kl, num_par
         elbo._params["spread"].add_(0.5 * torch.randn(elbo._params["spread"].shape))
     elbo.loss_and_grad(x, y, idx)
     elbo.kl_weight = beta
-    assert elbo._numpy_step.serves(elbo, x, y, idx)
-    (vector,) = elbo.parameters_to_optimize()
-    torch.manual_seed(11)
-    loss_a = elbo.loss_and_grad(x, y, idx)
-    grad_a, state_a = vector.grad.clone(), torch.get_rng_state()
-    torch.manual_seed(11)
-    noise = vd_noise(guide, elbo._plan, num_particles, x.shape[0] if idx is None else idx.shape[0], elbo._lj)
-    loss_b = elbo.loss_and_grad(x, y, idx, noise=noise)
-    assert torch.equal(loss_a, loss_b) and torch.equal(grad_a, vector.grad)
-    assert torch.equal(state_a, torch.get_rng_state())
+    batch = x.shape[0] if idx is None else idx.shape[0]
+    fast, general = _both_paths(elbo, x, y, idx, lambda: vd_noise(guide, elbo._plan, num_particles, batch, elbo._lj))
+    assert all(torch.equal(a, b) for a, b in zip(fast, general))
 
 
 @pytest.mark.parametrize("baseline", ["none", "decaying_average", "leave_one_out", "vargrad"])
@@ -311,18 +316,10 @@ def test_dropout_numpy_step_is_the_general_path(float64, kind, num_particles, mi
     guide = Dropout(model, p=[0.1, 0.3, 0.2][: len(hidden) + 1], sigma=0.05, kind=kind)
     elbo = _fitted(model, guide, x, y, idx, num_particles=num_particles)
     elbo.kl_weight = beta
-    assert elbo._numpy_step.serves(elbo, x, y, idx)
-    (vector,) = elbo.parameters_to_optimize()
-    torch.manual_seed(11)
-    loss_a = elbo.loss_and_grad(x, y, idx)
-    grad_a, state_a = vector.grad.clone(), torch.get_rng_state()
-    torch.manual_seed(11)
-    loss_b = elbo.loss_and_grad(x, y, idx, noise=dropout_noise(guide, elbo._plan, num_particles, elbo._lj))
-    assert torch.equal(state_a, torch.get_rng_state())
-    assert abs(float(loss_a - loss_b)) / max(1.0, abs(float(loss_b))) < TOL64
-    assert float((grad_a - vector.grad).abs().max() / vector.grad.abs().max()) < TOL64
+    fast, general = _both_paths(elbo, x, y, idx, lambda: dropout_noise(guide, elbo._plan, num_particles, elbo._lj))
+    _close(fast, general)
     if kind == "bernoulli":  # no column norms: the same operations
-        assert torch.equal(loss_a, loss_b) and torch.equal(grad_a, vector.grad)
+        assert all(torch.equal(a, b) for a, b in zip(fast, general))
 
 
 def test_dropout_with_a_monte_carlo_kl_keeps_the_general_path():
@@ -369,14 +366,5 @@ def test_mean_field_local_reparameterization_numpy_step_is_the_general_path(floa
     elbo = _fitted(model, MeanField(model, init_scale=0.3, local_reparameterization=True), x, y, idx,
                    num_particles=num_particles)
     elbo.kl_weight = beta
-    assert elbo._numpy_step.serves(elbo, x, y, idx)
-    (vector,) = elbo.parameters_to_optimize()
-    torch.manual_seed(11)
-    loss_a = elbo.loss_and_grad(x, y, idx)
-    grad_a, state_a = vector.grad.clone(), torch.get_rng_state()
-    torch.manual_seed(11)
-    noise = normal_lrt_noise(elbo._plan, num_particles, x.shape[0] if idx is None else idx.shape[0], elbo._lj)
-    loss_b = elbo.loss_and_grad(x, y, idx, noise=noise)
-    assert torch.equal(state_a, torch.get_rng_state())
-    assert abs(float(loss_a - loss_b)) / max(1.0, abs(float(loss_b))) < TOL64
-    assert float((grad_a - vector.grad).abs().max() / vector.grad.abs().max()) < TOL64
+    batch = x.shape[0] if idx is None else idx.shape[0]
+    _close(*_both_paths(elbo, x, y, idx, lambda: normal_lrt_noise(elbo._plan, num_particles, batch, elbo._lj)))
