@@ -230,7 +230,7 @@ class FlatELBO(torch.nn.Module):
             layer in order) and ``"preactivations"`` (mean field and variational dropout with
             local reparameterization, one ``[S, B, out]`` per layer).
         """
-        step = self._numpy_step  # a small CPU step of a mean-field or MAP guide: all in numpy
+        step = self._numpy_step  # a small CPU step (mean field, MAP, MC or variational dropout): all in numpy
         if noise is None and step is not None and step.serves(self, x, y, subsample):
             return step.run(self, subsample)
         # inference mode: no autograd bookkeeping on the step's small ops (the SVI loop's own

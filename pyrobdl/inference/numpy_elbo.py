@@ -152,7 +152,7 @@ def _normal_np(npl, lj, loc, rho, eps, prec, kl_const, idx, beta, lrt=None):
 
 
 class NumpyStep:
-    """A whole small flat SVI step on the CPU in numpy: mean field (weight draws), point mass, variational dropout.
+    """A whole small flat SVI step on the CPU in numpy: mean field, point mass, MC and variational dropout.
 
     :meth:`FlatELBO.loss_and_grad <pyrobdl.inference.flat_elbo.FlatELBO.loss_and_grad>` calls it
     where :meth:`serves` holds, in place of its general path (inference mode, the family's dispatch,
@@ -162,21 +162,25 @@ class NumpyStep:
     parameters (the optimizer updates them in place); each step it draws the noise with the general
     path's own function (``draw``: the same draws from the same generator) and runs the numpy
     function the general path would (:func:`_normal_np`, :func:`_vd_np`: the same floats) or
-    :func:`_delta_np` (the same gradient; the loss summed in numpy).  Above the log joint's numpy
+    :func:`_delta_np` (the same gradient; the loss summed in numpy), :func:`_dropout_np` (MC dropout:
+    the same floats for Bernoulli rows), or, with local reparameterization, :func:`_normal_np` with
+    :func:`_lrt_np` (the KL and chain rule in numpy: float rounding).  Above the log joint's numpy
     size rule the general path runs (the torch kernel with numpy arithmetic around it measured
-    slower than with torch's, 390-398 against 349-371 CPU µs a mean-field step at full batch on
-    the SVI benchmark).
+    slower than with torch's in a fit, 363-402 against 347-382 CPU µs a mean-field step at full
+    batch on the SVI benchmark; docs/benchmarks/svi.md).
 
     Parameters
     ----------
     elbo : FlatELBO
         Its log joint must be built (``elbo._lj``).
-    draw : callable or None
+    draw : callable
         ``draw(batch)``: one step's noise as the general path draws it (standard normals ``[S, P]``
-        for mean field; :func:`~pyrobdl.inference.flat_vd.vd_noise`'s dict for variational
-        dropout); None for a point mass.
+        for mean field; the dicts of :func:`~pyrobdl.inference.flat_vd.normal_lrt_noise`,
+        :func:`~pyrobdl.inference.flat_vd.vd_noise` and
+        :func:`~pyrobdl.inference.flat_dropout.dropout_noise`); not called for a point mass.
     var_floor : float
-        Variational dropout's floor of the locally reparameterized variances.
+        The floor of the locally reparameterized variances (variational dropout, mean field with
+        local reparameterization).
     """
 
     def __init__(self, elbo: Any, draw: Any, var_floor: float = 0.0) -> None:
@@ -185,8 +189,7 @@ class NumpyStep:
         self.family, self.draw, self.floor = elbo.family, draw, var_floor
         self.particles, self.analytic = elbo.num_particles, elbo.analytic_kl
         self.rows = 1 if self.family == "delta" else elbo.num_particles
-        # the Monte Carlo Gaussian KL, local reparameterization of a mean-field guide and a learned
-        # precision keep the general path (as normal_usable and step_usable say)
+        # a Monte Carlo KL of mean field or MC dropout and a learned precision keep the general path
         family_ok = self.family in ("delta", "variational_dropout") or (
             self.family in ("normal", "dropout") and elbo.analytic_kl)
         self.ok = family_ok and lj.precision_index is None and lj.device.type == "cpu" \
