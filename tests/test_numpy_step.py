@@ -55,15 +55,19 @@ def _close(a, b):
     assert float((grad_a - grad_b).abs().max() / grad_b.abs().max()) < TOL64
 
 
-NUMPY_CASES = [c for c in CASES if not c[1].startswith("learned")]  # a learned precision keeps the general path
+# mean field with weight draws and MAP: every case, a learned precision included; local reparameterization
+# with a learned precision keeps the general path
+LRT_CASES = [c for c in CASES if not c[1].startswith("learned")]
 
 
-@pytest.mark.parametrize("case", NUMPY_CASES, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 @pytest.mark.parametrize("num_particles, minibatch, beta", [(1, False, 1.0), (3, True, 0.3), (1, True, 1.0)])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_mean_field_numpy_step_is_the_general_path(case, num_particles, minibatch, beta, dtype):
     """The same draws (the generator left in the same state) and the same floats, bit for bit: the
-    numpy step runs the general path's own numpy function on the same arrays."""
+    numpy step runs the general path's own numpy function on the same arrays.  With a learned precision
+    the general path is torch's (its numpy twin leaves it out): equal to float rounding, ~100 ulps of
+    the dtype over the step's sums."""
     prior, lik, hidden, act = case
     dt = getattr(torch, dtype)
     old = torch.get_default_dtype()
@@ -82,16 +86,21 @@ def test_mean_field_numpy_step_is_the_general_path(case, num_particles, minibatc
     finally:
         torch.set_default_dtype(old)
     assert loss_a.dtype == loss_b.dtype == dt and loss_a.shape == loss_b.shape == ()
-    assert torch.equal(loss_a, loss_b)
-    assert torch.equal(grad_a, grad_b)
     assert torch.equal(state_a, state_b)
+    if lik.startswith("learned"):
+        tol = TOL64 if dt == torch.float64 else 100 * float(torch.finfo(dt).eps)
+        assert abs(float(loss_a - loss_b)) / max(1.0, abs(float(loss_b))) < tol
+        assert float((grad_a - grad_b).abs().max() / grad_b.abs().max()) < tol
+    else:
+        assert torch.equal(loss_a, loss_b) and torch.equal(grad_a, grad_b)
 
 
-@pytest.mark.parametrize("case", NUMPY_CASES, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 @pytest.mark.parametrize("beta", [1.0, 0.3])
 def test_map_numpy_step_is_the_general_path(float64, case, beta):
-    """A point mass: the same gradient bit for bit (the same operations); the loss's prior term is
-    summed by numpy instead of torch, so it agrees to float64 rounding; no draws either way."""
+    """A point mass: the same gradient bit for bit (the same operations; with a learned precision to float64
+    rounding, its Gamma prior in numpy); the loss's prior term is summed by numpy instead of torch, so it
+    agrees to float64 rounding; no draws either way."""
     prior, lik, hidden, act = case
     torch.manual_seed(1)
     model = make_model(prior, lik, hidden, act)
@@ -102,7 +111,8 @@ def test_map_numpy_step_is_the_general_path(float64, case, beta):
     elbo.kl_weight = beta
     fast, general = _both_paths(elbo, x, y, idx, lambda: None)
     _close(fast, general)
-    assert torch.equal(fast[1], general[1])
+    if not lik.startswith("learned"):
+        assert torch.equal(fast[1], general[1])
 
 
 def _small():
@@ -119,8 +129,9 @@ def test_numpy_step_leaves_what_it_does_not_cover_to_the_general_path(monkeypatc
     kw, guide_kw, idx = {}, {}, torch.tensor([0, 1, 2])
     if setting == "monte_carlo_kl":
         kw["analytic_kl"] = False
-    elif setting == "learned_precision":
+    elif setting == "learned_precision":  # with local reparameterization (weight draws: served)
         model = pyrobdl.BayesianMLP(2, (4,), 1, likelihood=pyrobdl.likelihoods.GaussianLearnedPrecision())
+        guide_kw["local_reparameterization"] = True
     elbo = FlatELBO(model, MeanField(model, **guide_kw), **kw)
     elbo.loss_and_grad(x, y, idx)
     step = elbo._numpy_step
@@ -348,7 +359,7 @@ def test_numpy_step_follows_the_elbos_settings(change):
     assert elbo._numpy_step.rows == elbo.num_particles
 
 
-@pytest.mark.parametrize("case", NUMPY_CASES, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("case", LRT_CASES, ids=lambda c: "-".join(map(str, c)))
 @pytest.mark.parametrize("num_particles, minibatch, beta", [(1, False, 1.0), (3, True, 0.3)])
 def test_mean_field_local_reparameterization_numpy_step_is_the_general_path(float64, case, num_particles, minibatch,
                                                                            beta):

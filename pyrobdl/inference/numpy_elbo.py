@@ -135,6 +135,13 @@ def _normal_np(npl, lj, loc, rho, eps, prec, kl_const, idx, beta, lrt=None):
     kl = dt(kl_const) - np.log(sigma).sum() + dt(0.5) * (prec * (sigma * sigma + loc * loc)).sum()
     d_loc = prec * loc
     d_sigma = prec * sigma - dt(1.0) / sigma
+    if npl.learned:  # Monte Carlo for the learned precision u = log tau (flat_elbo._normal_kl)
+        u = npl.u
+        e = eps[:, u]
+        lp, gp = _precision_log_prior(lj, theta[:, u], dt)
+        kl = kl - dt(0.5) * e * e - dt(_HALF_LOG_2PI) - lp  # [S]
+        d_loc[u] -= _mean0(gp, s, dt)
+        d_sigma[u] -= _mean0(gp * e, s, dt)
     if s == 1:
         g_loc, g_sigma = g[0], g[0] * eps[0]
     else:
@@ -189,11 +196,13 @@ class NumpyStep:
         self.family, self.draw, self.floor = elbo.family, draw, var_floor
         self.particles, self.analytic = elbo.num_particles, elbo.analytic_kl
         self.rows = 1 if self.family == "delta" else elbo.num_particles
-        # a Monte Carlo KL of mean field or MC dropout and a learned precision keep the general path
+        # a Monte Carlo KL of mean field or MC dropout keeps the general path, and so does a learned
+        # precision but for mean field with weight draws and a point mass
+        learned_ok = lj.precision_index is None or (self.family == "delta" or (self.family == "normal"
+                                                                                and elbo._plan is None))
         family_ok = self.family in ("delta", "variational_dropout") or (
             self.family in ("normal", "dropout") and elbo.analytic_kl)
-        self.ok = family_ok and lj.precision_index is None and lj.device.type == "cpu" \
-            and lj.dtype in (torch.float32, torch.float64)
+        self.ok = family_ok and learned_ok and lj.device.type == "cpu" and lj.dtype in (torch.float32, torch.float64)
         if not self.ok:
             return
         self.npl = _nk.plan_of(lj)
@@ -287,14 +296,26 @@ def _dropout_np(npl, lj, m, mult, eps, idx, beta, sigma, kind, layers, col, keep
 
 
 def _delta_np(npl, lj, theta, idx, beta):
-    """:func:`~pyrobdl.inference.flat_elbo.delta_loss_and_grad` (no learned precision) on an array."""
+    """:func:`~pyrobdl.inference.flat_elbo.delta_loss_and_grad` on an array."""
     dt = theta.dtype.type
     ll, g = _nk.value_and_grad_np(npl, lj, theta[None], idx, False)
     gp = theta * npl.neg_prior_prec  # FlatLogJoint.log_prior
     lp = (theta * gp).sum() * dt(0.5) + dt(lj._prior_const)
+    if npl.learned:  # the precision's Gamma prior of tau itself: a point mass has no log-Jacobian u
+        u = npl.u
+        value, slope = _precision_log_prior(lj, theta[u], dt)
+        lp = lp + (value - theta[u])
+        gp[u] = slope - dt(1.0)
     if beta != 1.0:
         lp, gp = lp * dt(beta), gp * dt(beta)
     return -(ll[0] + lp), -(gp + g[0])
+
+
+def _precision_log_prior(lj: Any, u: Any, dt: Any) -> tuple[Any, Any]:
+    """:meth:`FlatLogJoint.precision_log_prior <pyrobdl.flat.FlatLogJoint.precision_log_prior>` at ``u`` =
+    log tau (an array or a number): log Gamma(tau; a, b) + u and its derivative in u."""
+    tau = np.exp(u)
+    return dt(lj._gamma_const) + dt(lj._a) * u - dt(lj._b) * tau, dt(lj._a) - dt(lj._b) * tau
 
 
 def step_usable(lj: Any, eps: torch.Tensor, idx: torch.Tensor | None, beta: Any, functional: bool) -> bool:
