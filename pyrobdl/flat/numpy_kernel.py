@@ -68,7 +68,19 @@ def usable_rows(lj: Any, rows: int, idx: torch.Tensor | None) -> bool:
         return False
     if idx is not None and idx.dim() != 1:
         return False
-    return rows * (lj.num_data if idx is None else idx.shape[0]) * lj._widest <= MAX_NUMPY_ELEMENTS
+    return fits(lj, rows, lj.num_data if idx is None else idx.shape[0])
+
+
+def fits(lj: Any, rows: int, batch: int) -> bool:
+    """The size rule alone: ``rows`` x ``batch`` data points x the widest layer within :data:`MAX_NUMPY_ELEMENTS`."""
+    return rows * batch * lj._widest <= MAX_NUMPY_ELEMENTS
+
+
+def precision_log_prior(lj: Any, u: Any, dt: Any) -> tuple[Any, Any]:
+    """:meth:`FlatLogJoint.precision_log_prior <pyrobdl.flat.FlatLogJoint.precision_log_prior>` on arrays (or
+    numbers) ``u`` = log tau of dtype ``dt``: log Gamma(tau; a, b) + u and its derivative in u."""
+    tau = np.exp(u)
+    return dt(lj._gamma_const) + dt(lj._a) * u - dt(lj._b) * tau, dt(lj._a) - dt(lj._b) * tau
 
 
 def value_and_grad(lj: Any, theta: torch.Tensor, idx: torch.Tensor | None, prior: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,10 +163,9 @@ def _likelihood(plan: NumpyPlan, lj: Any, f: np.ndarray, y: np.ndarray, theta: n
         dt = theta.dtype.type
         grad[:, plan.u] += du
         if prior:
-            u = theta[:, plan.u]
-            tau = np.exp(u)
-            logp += dt(lj._gamma_const) + dt(lj._a) * u - dt(lj._b) * tau
-            grad[:, plan.u] += dt(lj._a) - dt(lj._b) * tau
+            value, slope = precision_log_prior(lj, theta[:, plan.u], dt)
+            logp += value
+            grad[:, plan.u] += slope
     return gf
 
 

@@ -138,7 +138,7 @@ def _normal_np(npl, lj, loc, rho, eps, prec, kl_const, idx, beta, lrt=None):
     if npl.learned:  # Monte Carlo for the learned precision u = log tau (flat_elbo._normal_kl)
         u = npl.u
         e = eps[:, u]
-        lp, gp = _precision_log_prior(lj, theta[:, u], dt)
+        lp, gp = _nk.precision_log_prior(lj, theta[:, u], dt)
         kl = kl - dt(0.5) * e * e - dt(_HALF_LOG_2PI) - lp  # [S]
         d_loc[u] -= _mean0(gp, s, dt)
         d_sigma[u] -= _mean0(gp * e, s, dt)
@@ -241,7 +241,7 @@ class NumpyStep:
             return False
         if subsample is None:
             return self.full
-        return subsample.dim() == 1 and self.rows * subsample.shape[0] * self.lj._widest <= _nk.MAX_NUMPY_ELEMENTS
+        return subsample.dim() == 1 and _nk.fits(self.lj, self.rows, subsample.shape[0])
 
     def run(self, elbo: Any, subsample: torch.Tensor | None) -> torch.Tensor:
         """The negative ELBO (a 0-d tensor); sets the packed vector's ``.grad``."""
@@ -305,19 +305,12 @@ def _delta_np(npl, lj, theta, idx, beta):
     lp = (theta * gp).sum() * dt(0.5) + dt(lj._prior_const)
     if npl.learned:  # the precision's Gamma prior of tau itself: a point mass has no log-Jacobian u
         u = npl.u
-        value, slope = _precision_log_prior(lj, theta[u], dt)
+        value, slope = _nk.precision_log_prior(lj, theta[u], dt)
         lp = lp + (value - theta[u])
         gp[u] = slope - dt(1.0)
     if beta != 1.0:
         lp, gp = lp * dt(beta), gp * dt(beta)
     return -(ll[0] + lp), -(gp + g[0])
-
-
-def _precision_log_prior(lj: Any, u: Any, dt: Any) -> tuple[Any, Any]:
-    """:meth:`FlatLogJoint.precision_log_prior <pyrobdl.flat.FlatLogJoint.precision_log_prior>` at ``u`` =
-    log tau (an array or a number): log Gamma(tau; a, b) + u and its derivative in u."""
-    tau = np.exp(u)
-    return dt(lj._gamma_const) + dt(lj._a) * u - dt(lj._b) * tau, dt(lj._a) - dt(lj._b) * tau
 
 
 def step_usable(lj: Any, eps: torch.Tensor, idx: torch.Tensor | None, beta: Any, functional: bool) -> bool:
