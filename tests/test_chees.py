@@ -693,7 +693,9 @@ def test_continuous_step_size_adaptation_searches_once():
             assert steps[t + 1] == pytest.approx(math.exp(da.log_step), rel=1e-9)
     assert (steps[40:] == steps[40]).all()
     assert steps[40] == pytest.approx(math.exp(da.log_step_ma), rel=1e-9)
-    assert steps[40] != pytest.approx(math.exp(da.log_step_bar), rel=1e-3)  # not Stan's average
+    # not Stan's average: the two averages of one run can lie close (4.5e-4 apart in log seen), so the
+    # test is that the step matches the moving average to the replay's 1e-9 and Stan's not even to 1e-6
+    assert steps[40] != pytest.approx(math.exp(da.log_step_bar), rel=1e-6)
 
 
 def test_later_options_at_their_default_leave_a_checkpoints_identity_unchanged():

@@ -15,6 +15,7 @@ from pyro.infer.mcmc.util import initialize_model
 
 import pyrobdl
 from pyrobdl.flat import FlatLayout, FlatLogJoint, auto_chunk_size
+from pyrobdl.flat import kernel as flat_kernel_module
 from pyrobdl.likelihoods import Categorical, GaussianLearnedPrecision
 from pyrobdl.likelihoods import Gaussian as GaussianLik
 from pyrobdl.priors import Gaussian as GaussianPrior
@@ -218,6 +219,53 @@ def test_relu_output_gradient_from_layer_zeros_product_equals_its_own_product(fl
     per_row = torch.stack([torch.randperm(11, generator=torch.Generator().manual_seed(r))[:5] for r in range(4)])
     assert_same_calls(folded.value_and_grad, direct.value_and_grad, theta, (None, torch.tensor([7, 1, 4]), per_row))
     assert_same_calls(folded.value_and_grad, folded.log_prob_grad_autograd, theta, (None, torch.tensor([7, 1, 4])))
+
+
+@pytest.mark.parametrize("hidden", [(5,), (4, 3)], ids=str)
+@pytest.mark.parametrize("likelihood", ["gaussian-1", "gaussian-2", "learned-1", "categorical-3"])
+def test_tanh_through_sigmoid_equals_tanh(float64, likelihood, hidden):
+    """The eager kernel's two forms of a tanh layer (tanh stored, or sigmoid(2a) with the affine map
+    folded into the next layer: ``FlatLogJoint._sigmoid_tanh``, chosen per machine) give the autograd
+    twin's log joint and gradient to float64 rounding, full data, one minibatch and a minibatch per row,
+    and the gradient without the value is the same gradient."""
+    model = make_model("per_layer", likelihood, hidden, "tanh")
+    x, y = make_data(model, n=11)
+    direct, folded = FlatLogJoint(model, x, y), FlatLogJoint(model, x, y)
+    direct._sigmoid_tanh, folded._sigmoid_tanh = False, True
+    direct.numpy_kernel = folded.numpy_kernel = False
+    theta = folded.sample_prior(4, generator=torch.Generator().manual_seed(3))
+    per_row = torch.stack([torch.randperm(11, generator=torch.Generator().manual_seed(r))[:5] for r in range(4)])
+    for lj in (direct, folded):
+        assert_same_calls(lj.value_and_grad, lj.log_prob_grad_autograd, theta, (None, torch.tensor([7, 1, 4]), per_row))
+        _, grad = lj.value_and_grad(theta)
+        assert torch.equal(lj.value_and_grad(theta, value=False)[1], grad)
+
+
+@pytest.mark.parametrize("vendor, mkl, cpu_fold", [("GenuineIntel", True, False), ("GenuineIntel", False, True),
+                                                   ("AuthenticAMD", True, True), ("", True, True)])
+def test_tanh_through_sigmoid_is_chosen_per_machine(monkeypatch, vendor, mkl, cpu_fold):
+    """ATen's CPU tanh is MKL's VML: the eager kernel keeps it only on an Intel CPU with MKL (where it
+    measured faster than ATen's sigmoid); elsewhere on the CPU the fold; on CUDA unchanged (tanh).
+    The choice is made when the log joint is built, from the machine alone (no timing)."""
+    monkeypatch.setattr(flat_kernel_module, "_cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: mkl)
+    assert flat_kernel_module.tanh_through_sigmoid(torch.device("cpu")) is cpu_fold
+    assert flat_kernel_module.tanh_through_sigmoid(torch.device("cuda")) is False
+    model = make_model("scalar", "gaussian-1", (5,), "tanh")
+    assert FlatLogJoint(model, *make_data(model))._sigmoid_tanh is cpu_fold
+
+
+def test_cpu_vendor_is_read_from_the_machine():
+    flat_kernel_module._cpu_vendor.cache_clear()
+    vendor = flat_kernel_module._cpu_vendor()
+    assert isinstance(vendor, str)
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as fh:
+            text = fh.read()
+    except OSError:
+        pytest.skip("no /proc/cpuinfo on this machine")
+    if "vendor_id" in text:
+        assert vendor and vendor in text
 
 
 def log_prior_by_hand(model, lj: FlatLogJoint, theta: torch.Tensor) -> torch.Tensor:

@@ -9,19 +9,51 @@ are bit-identical, and ``torch.compile`` traces through the calls).
 Layout: hidden activations are ``[B, K, H]`` (data-major), so the first layer is one GEMM over
 every chain at once, forward (``[B, in+1] @ [in+1, K*H]``) and backward.  A layer stores its
 activations ``h = tanh(a)`` or ``relu(a)`` in place of the pre-activation, and the backward pass
-reads them (``tanh'(a) = 1 - h^2``, ``relu'(a) = 1[h > 0]``).  Traced by ``torch.compile``
-(``functional``), a tanh layer stores ``s = sigmoid(2a)`` instead, the affine map
-``s -> 2s - 1`` folded into the next layer's weights and ``tanh'(a) = 4 s (1 - s)``: on this CPU
-(torch 2.13) ATen's float32 tanh is 1.25-1.3x faster than its sigmoid, but Inductor's tanh 2.3-5x
-slower than its sigmoid, and the compiled kernel measured fastest with the fold (2026-11-30,
-``docs/benchmarks/chees.md``).
+reads them (``tanh'(a) = 1 - h^2``, ``relu'(a) = 1[h > 0]``).  A tanh layer may instead store
+``s = sigmoid(2a)``, the affine map ``s -> 2s - 1`` folded into the next layer's weights and
+``tanh'(a) = 4 s (1 - s)`` (the *fold*): always when traced by ``torch.compile`` (``functional``;
+Inductor's tanh measured 2.3-5x slower than its sigmoid), and eagerly wherever
+:func:`tanh_through_sigmoid` says ATen's tanh is the slower.  ATen's float32 CPU tanh is MKL's
+VML: 1.25-1.3x faster than ATen's sigmoid on an Intel Xeon, **6-7x slower** on an AMD EPYC
+(MKL's generic code path), where the fold makes the eager kernel 1.4-1.7x faster
+(``docs/benchmarks/chees.md``).
 """
 
 from __future__ import annotations
 
+import functools
+import platform
 from typing import Any
 
 import torch
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_vendor() -> str:
+    """The CPU's vendor string (``GenuineIntel``, ``AuthenticAMD``, ...), ``""`` when unknown."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    proc = platform.processor()  # e.g. Windows: "Intel64 Family 6 Model 85 Stepping 7, GenuineIntel"
+    return "GenuineIntel" if "GenuineIntel" in proc else "AuthenticAMD" if "AuthenticAMD" in proc else ""
+
+
+def tanh_through_sigmoid(device: torch.device) -> bool:
+    """Whether the eager kernel computes a tanh layer as ``2 sigmoid(2a) - 1`` on ``device`` (the fold).
+
+    On the CPU, yes unless ATen's tanh is MKL's VML on an Intel CPU, the one place it measured
+    faster than ATen's sigmoid (1.25-1.3x on a Xeon; on an AMD EPYC MKL's tanh was 6-7x slower, and
+    without MKL ATen's tanh is Sleef's, which Inductor's measurements put well below its sigmoid).
+    On CUDA, no (both are memory-bound there; unmeasured, so unchanged).  Deterministic for a
+    machine, so a seed's draws do not depend on a timing.
+    """
+    if device.type != "cpu":
+        return False
+    return not (torch.backends.mkl.is_available() and _cpu_vendor() == "GenuineIntel")
 
 
 def value_and_grad(
@@ -39,7 +71,7 @@ def value_and_grad(
     per_row = x1.dim() == 3  # [K, B, in+1]
     k, b = theta.shape[0], x1.shape[-2]
     tanh = lj._act == "tanh"
-    fold = tanh and functional  # sigmoid(2a) stored, tanh = 2 sigmoid(2a) - 1 folded (module docstring)
+    fold = tanh and (functional or lj._sigmoid_tanh)  # sigmoid(2a) stored: the fold (module docstring)
     fixed = lj.task != "classification" and not lj._learned  # a Gaussian of fixed precision tau
     lik_const = scale * b * lj._lik_const_point if fixed else 0.0  # its normaliser, added with the prior's
     skip = fixed and not value  # the value's own operations (a leapfrog's inner steps read only the gradient)
@@ -188,8 +220,9 @@ def _backward_hidden(lj, gf, zs, layers, pieces, last, tanh, fold, homogeneous, 
             gb = torch.bmm(g, w).transpose(0, 1)  # [B, K, Hin], z's layout
         # written into z's layout (z is not needed again): following gb's (expanded) strides would
         # cost a copy; torch.compile (functional): out= into a strided z miscompiles (torch 2.13, measured)
-        if fold:  # tanh'(a) = 4 s (1 - s); fold implies functional
-            g = torch.ops.aten.sigmoid_backward(gb, z)
+        if fold:  # tanh'(a) = 4 s (1 - s)
+            g = (torch.ops.aten.sigmoid_backward(gb, z) if functional
+                 else torch.ops.aten.sigmoid_backward.grad_input(gb, z, grad_input=z))
             if j == 1:
                 alpha = 1.0 if factor is not None else 4.0
             else:

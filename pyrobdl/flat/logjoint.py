@@ -149,6 +149,8 @@ class FlatLogJoint:
         #: relu into one output unit: the output weight's gradient from layer 0's GEMM (below);
         #: False computes it by its own product (same numbers up to rounding; for tests and timing)
         self._fold_output_grad = True
+        #: the eager kernel's tanh layers as sigmoid(2a), the fold (kernel.py); fixed per machine
+        self._sigmoid_tanh = _kernel.tanh_through_sigmoid(self.device)
         self._numpy_plan: Any = None
         self._widest = max((model.out_features, *model.hidden))
 
