@@ -227,7 +227,7 @@ def test_tanh_through_sigmoid_equals_tanh(float64, likelihood, hidden):
     """The eager kernel's two forms of a tanh layer (tanh stored, or sigmoid(2a) with the affine map
     folded into the next layer: ``FlatLogJoint._sigmoid_tanh``, chosen per machine) give the autograd
     twin's log joint and gradient to float64 rounding, full data, one minibatch and a minibatch per row,
-    and the gradient without the value is the same gradient."""
+    the gradient without the value is the same gradient, and the forward-only log-likelihood the twin's."""
     model = make_model("per_layer", likelihood, hidden, "tanh")
     x, y = make_data(model, n=11)
     direct, folded = FlatLogJoint(model, x, y), FlatLogJoint(model, x, y)
@@ -239,6 +239,8 @@ def test_tanh_through_sigmoid_equals_tanh(float64, likelihood, hidden):
         assert_same_calls(lj.value_and_grad, lj.log_prob_grad_autograd, theta, (None, torch.tensor([7, 1, 4]), per_row))
         _, grad = lj.value_and_grad(theta)
         assert torch.equal(lj.value_and_grad(theta, value=False)[1], grad)
+        for idx in (None, per_row):
+            assert rel_err(lj.log_likelihood(theta, idx), lj.log_joint(theta, idx, prior=False)) < TOL64
 
 
 @pytest.mark.parametrize("vendor, mkl, cpu_fold", [("GenuineIntel", True, False), ("GenuineIntel", False, True),

@@ -388,7 +388,8 @@ class FlatLogJoint:
             return _numpy_kernel.log_likelihood(self, theta, idx)
         x1, y, scale = _kernel.batch(self, idx)
         k = theta.shape[0]
-        _, _, f = _kernel._forward(x1, self._weights(theta), self._num_layers - 1, self._act == "tanh", False,
+        tanh = self._act == "tanh"
+        _, _, f = _kernel._forward(x1, self._weights(theta), self._num_layers - 1, tanh, tanh and self._sigmoid_tanh,
                                    x1.dim() == 3, k, x1.shape[-2], self._zero)
         ll, _ = self._log_lik(f, y, theta)
         return ll if scale == 1.0 else ll.mul_(scale)
