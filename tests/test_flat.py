@@ -369,6 +369,49 @@ def test_compiled_equals_eager(float64, case):
     assert_same_calls(compiled.value_and_grad, eager.value_and_grad, theta, (None, torch.tensor([1, 5, 9])))
 
 
+@needs_cxx
+def test_compiled_leapfrog_block_equals_the_steps_one_by_one(float64):
+    """FlatLogJoint.leapfrog (compile(..., leapfrog_block=3)): three leapfrog steps of every row in one
+    compiled call, each row with its own step and final coefficient, chunked, equal to the same steps
+    through the eager kernel to float64 rounding; its inputs are not written; compiled graphs: the
+    kernel and the block.  A block of 1 or a non-integer is refused; leapfrog before compile says so."""
+    import torch._dynamo.utils as dynamo_utils
+
+    model = make_model("per_layer", "learned-2", (4, 3), "tanh")
+    x, y = make_data(model)
+    eager = FlatLogJoint(model, x, y, chunk_size=3)
+    compiled = FlatLogJoint(model, x, y, chunk_size=3)
+    with pytest.raises(RuntimeError, match=r"needs compile\(batch_size, leapfrog_block=m\) first"):
+        compiled.leapfrog(*[torch.zeros(7, compiled.size)] * 3, *[torch.zeros(7, 1)] * 2)
+    for bad in (1, -2, 2.0, True):
+        with pytest.raises(ValueError, match="leapfrog_block must be 0 \\(none\\) or an integer >= 2"):
+            compiled.compile(7, leapfrog_block=bad)
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    compiled.compile(7, leapfrog_block=3)  # chunks of 3, 3 and 1
+    assert compiled.leapfrog_block == 3 and eager.leapfrog_block == 0
+    g = torch.Generator().manual_seed(5)
+    theta = eager.sample_prior(7, generator=g)
+    p = torch.randn(7, eager.size, generator=g)
+    step = torch.rand(7, 1, generator=g) * 0.05
+    last = 0.5 * step
+    scaled = step * torch.rand(eager.size, generator=g).add(0.5)  # step x an inverse mass
+    inputs = [t.clone() for t in (theta, p, scaled, step, last)]
+    t_ref, p_ref = theta.clone(), p.clone()
+    for i in range(3):
+        t_ref = t_ref + scaled * p_ref
+        v_ref, g_ref = eager.value_and_grad(t_ref)
+        p_ref = p_ref + (step if i < 2 else last) * g_ref
+    out = compiled.leapfrog(theta, p, scaled, step, last)
+    for got, want in zip(out, (t_ref, p_ref, v_ref, g_ref)):
+        assert rel_err(got, want) < TOL64
+    assert all(torch.equal(a, b) for a, b in zip(inputs, (theta, p, scaled, step, last)))
+    # ``last`` the same tensor as ``step`` (a block that is not a trajectory's last): no second graph
+    out = compiled.leapfrog(theta, p, scaled, step, step)
+    assert rel_err(out[1], p_ref + (step - last) * g_ref) < TOL64
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == 2 * 2  # kernel and block at 3 rows and at 1
+
+
 def test_compile_failure_names_the_fix(monkeypatch):
     model = make_model("scalar", "gaussian-1", (5,), "relu")
     x, y = make_data(model)

@@ -146,6 +146,9 @@ class FlatLogJoint:
         self._lik_const_point = (0.5 * model.out_features * (math.log(self._tau) - _LOG_2PI)
                                  if self.task != "classification" and not self._learned else 0.0)
         self._compiled: Any = None
+        self._leapfrog_compiled: Any = None
+        #: leapfrog steps per :meth:`leapfrog` call, once compiled (:meth:`compile`); 0: none
+        self.leapfrog_block = 0
         #: relu into one output unit: the output weight's gradient from layer 0's GEMM (below);
         #: False computes it by its own product (same numbers up to rounding; for tests and timing)
         self._fold_output_grad = True
@@ -154,7 +157,7 @@ class FlatLogJoint:
         self._numpy_plan: Any = None
         self._widest = max((model.out_features, *model.hidden))
 
-    def compile(self, batch_size: int) -> float:
+    def compile(self, batch_size: int, leapfrog_block: int = 0) -> float:
         """Compile the full-data log joint and gradient with ``torch.compile`` for ``[K, P]`` batches.
 
         Afterwards :meth:`value_and_grad` with ``idx=None`` and ``prior=True`` (what a sampler
@@ -166,6 +169,9 @@ class FlatLogJoint:
         ----------
         batch_size : int
             K, the number of rows the caller will pass.
+        leapfrog_block : int, default 0
+            At least 2: also compile :meth:`leapfrog` (that many leapfrog steps in one graph, for a
+            sampler; one call's fixed cost shared by the steps); 0: not.
 
         Returns
         -------
@@ -174,10 +180,14 @@ class FlatLogJoint:
 
         Raises
         ------
+        ValueError
+            For a ``leapfrog_block`` other than 0 or an integer >= 2.
         RuntimeError
             When ``torch.compile`` fails on this machine (e.g. no C++ compiler for the CPU
             backend); the message says to run uncompiled.
         """
+        if not isinstance(leapfrog_block, int) or isinstance(leapfrog_block, bool) or leapfrog_block == 1 or leapfrog_block < 0:
+            raise ValueError(f"leapfrog_block must be 0 (none) or an integer >= 2, got {leapfrog_block!r}")
         start = time.perf_counter()
         c = self.chunk_size
         sizes = {batch_size} if c is None or batch_size <= c else {c} | ({batch_size % c} - {0})
@@ -194,14 +204,68 @@ class FlatLogJoint:
                        self.layout.size, self._fold_output_grad)
                 entry = _compiled_entry(lambda theta: self._value_and_grad(theta, None, True, functional=True), key)
                 fn = torch.compile(entry, dynamic=False)
+                block = None
+                if leapfrog_block:
+                    block = torch.compile(_compiled_entry(self._leapfrog_steps(leapfrog_block), key + ("leapfrog", leapfrog_block)),
+                                          dynamic=False)
                 with torch.inference_mode():  # the mode every call runs it in (_vg): one graph, no recompiling
                     for k in sorted(sizes):
-                        fn(torch.zeros(k, self.size, dtype=self.dtype, device=self.device))  # shapes matter, not values
+                        zeros = torch.zeros(k, self.size, dtype=self.dtype, device=self.device)  # shapes matter, not values
+                        fn(zeros)
+                        if block is not None:  # distinct tensors (aliasing is guarded), [K, 1] contiguous (strides too)
+                            block(*(torch.zeros_like(zeros) for _ in range(3)),
+                                  *(torch.zeros(k, 1, dtype=self.dtype, device=self.device) for _ in range(2)))
         except Exception as err:  # torch's compiler raises many types (BackendCompilerFailed, ...)
             raise RuntimeError(f"torch.compile of the flat log joint failed on this machine ({type(err).__name__}: "
                                f"{str(err)[:300]}); run without compiling (compile=False)") from err
-        self._compiled = fn
+        self._compiled, self._leapfrog_compiled, self.leapfrog_block = fn, block, leapfrog_block if block is not None else 0
         return time.perf_counter() - start
+
+    def _leapfrog_steps(self, m: int):
+        """The function :meth:`leapfrog` compiles: ``m`` leapfrog steps, written out (Dynamo unrolls them)."""
+        def steps(theta, p, scaled, step, last):
+            for i in range(m):
+                theta = theta + scaled * p
+                logp, grad = self._value_and_grad(theta, None, True, functional=True)
+                p = p + (step if i < m - 1 else last) * grad
+            return theta, p, logp, grad
+        return steps
+
+    def leapfrog(self, theta: torch.Tensor, p: torch.Tensor, scaled: torch.Tensor, step: torch.Tensor,
+                 last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        r""":attr:`leapfrog_block` leapfrog steps of every row in one compiled call (after :meth:`compile`).
+
+        Each step is ``theta += scaled * p``, the log joint's gradient ``g`` at ``theta``, then
+        ``p += step * g`` — by ``last`` instead of ``step`` in the block's final step (a trajectory's
+        closing half step, or ``step`` when more follow).  Rows are independent; chunked as
+        :meth:`value_and_grad` is.  Inputs are not written.
+
+        Parameters
+        ----------
+        theta, p, scaled : torch.Tensor
+            ``[K, P]``: positions, momenta, and the step times the inverse mass of each row.
+        step, last : torch.Tensor
+            ``[K, 1]``: each row's step size, and its coefficient of the block's final gradient.
+
+        Returns
+        -------
+        (torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor)
+            Positions and momenta after the block, and the log joint ``[K]`` and gradient ``[K, P]``
+            at the final positions.
+        """
+        if self._leapfrog_compiled is None:
+            raise RuntimeError("FlatLogJoint.leapfrog needs compile(batch_size, leapfrog_block=m) first")
+        args, seen = [], set()
+        with torch.inference_mode():  # as compiled (see _vg)
+            for a in (theta, p, scaled, step, last):
+                # Dynamo guards on aliasing (``last is step`` would compile a second graph): distinct tensors
+                args.append(a if a.is_inference() and id(a) not in seen else a.clone())
+                seen.add(id(a))
+            c = self.chunk_size
+            if c is None or theta.shape[0] <= c:
+                return self._leapfrog_compiled(*args)
+            parts = [self._leapfrog_compiled(*(a[i : i + c] for a in args)) for i in range(0, theta.shape[0], c)]
+            return tuple(torch.cat([part[j] for part in parts]) for j in range(4))
 
     # ------------------------------------------------------------------------------- helpers
     @property

@@ -29,7 +29,10 @@ class _Sampler:
         return 0.5 * (p * p * self.inv_mass).sum(-1)
 
     def leapfrog(self, theta: torch.Tensor, p: torch.Tensor, grad: torch.Tensor, step: float | torch.Tensor, n: int):
-        """``n`` leapfrog steps of every chain; ``step`` a number, or ``[K, 1]``: each chain's own."""
+        """``n`` leapfrog steps of every chain; ``step`` a number, or ``[K, 1]``: each chain's own.
+
+        Where the log joint compiled a block of steps (:meth:`FlatLogJoint.leapfrog`, ``m`` steps a
+        call), the first ``n mod m`` steps run one kernel call each and the rest in blocks."""
         # inference mode: no autograd bookkeeping (version counters, view tracking) on the ~50 small
         # ops of each step (gap: 1.08x less CPU per K = 64 call, 1.25x at K = 1, comparisons/benchmarks/
         # inference_mode.py); the tensors it returns are read, never written in place, outside it
@@ -39,14 +42,26 @@ class _Sampler:
             logp = grad = None
             per_row = isinstance(step, torch.Tensor)
             half = 0.5 * step
-            for i in range(n):
+            m = self.lj.leapfrog_block
+            blocks = n // m if m else 0
+            single = n - blocks * m
+            for i in range(single):
                 theta.addcmul_(scaled, p)
                 # the inner steps read only the gradient: the kernel may skip the value's sums
-                logp, grad = self.lj.value_and_grad(theta, value=i == n - 1)
+                last = i == single - 1 and not blocks
+                logp, grad = self.lj.value_and_grad(theta, value=last)
                 if per_row:
-                    p.addcmul_(grad, step if i < n - 1 else half)
+                    p.addcmul_(grad, half if last else step)
                 else:
-                    p.add_(grad, alpha=step if i < n - 1 else half)
+                    p.add_(grad, alpha=half if last else step)
+            if blocks:
+                step_rows = torch.as_tensor(step, dtype=theta.dtype, device=theta.device).expand(theta.shape[0], 1)
+                scaled = scaled.expand(theta.shape).contiguous()
+                step_rows = step_rows.contiguous()
+                half_rows = 0.5 * step_rows
+                for b in range(blocks):
+                    theta, p, logp, grad = self.lj.leapfrog(theta, p, scaled, step_rows,
+                                                            half_rows if b == blocks - 1 else step_rows)
         self.gradients += n * theta.shape[0]
         return theta, p, logp, grad
 
@@ -107,7 +122,18 @@ def _compile(lj: FlatLogJoint, k: int, option: bool | str) -> float:
             warnings.warn(f"chees: compile='auto' could not compile the log joint on {lj.device} ({err}); "
                           "running eager", RuntimeWarning, stacklevel=3)
             return 0.0
-    return lj.compile(k) if option else 0.0
+    return lj.compile(k, **_block(lj)) if option else 0.0
+
+
+def _block(lj: FlatLogJoint) -> dict:
+    """:meth:`FlatLogJoint.compile`'s leapfrog block for chees: 4 steps a call on the CPU (the compiled
+    kernel's fixed cost per call shared: 0.90x the CPU per leapfrog step at K = 8 on the benchmark BNN,
+    2 and 4 alike, 8 slower; docs/benchmarks/chees.md); on CUDA none (unmeasured there)."""
+    return {"leapfrog_block": LEAPFROG_BLOCK} if lj.device.type == "cpu" else {}
+
+
+#: leapfrog steps per compiled call of chees on the CPU (:func:`_block`)
+LEAPFROG_BLOCK = 4
 
 
 

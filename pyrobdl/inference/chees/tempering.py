@@ -17,6 +17,9 @@ class _Tempered:
     log joint and one of the cheap prior give both parts: the likelihood is their difference.
     """
 
+    #: no compiled leapfrog block: every step calls :meth:`value_and_grad` (the tempered sum)
+    leapfrog_block = 0
+
     def __init__(self, lj: FlatLogJoint, beta: torch.Tensor) -> None:
         self.lj, self.beta = lj, beta
         self.size, self.layout = lj.size, lj.layout
