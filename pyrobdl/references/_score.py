@@ -62,12 +62,29 @@ def _check_y(y_test: Any, ref: Reference, scale: str) -> np.ndarray:
     if not np.all(np.isfinite(y)):
         raise ValueError("y_test has non-finite values")
     model = y if scale == "model" else (y - ref.y_mean) / ref.y_std
-    if array_sha256(model) != ref.meta["y_sha256"]:
+    if array_sha256(model) != ref.meta["y_sha256"] and not _same_synthetic_targets(model, ref):
         raise ValueError(
             f"y_test does not match the targets of reference {ref.name!r} split {ref.split} (SHA-256 of the "
             f"float32-rounded model-scale targets differs): use the split's test targets in their order, on the "
             f"{scale} scale, computed in float64 (e.g. data.y_test.double() * data.y_std + data.y_mean)")
     return y if scale == "original" else y * ref.y_std + ref.y_mean
+
+
+#: How far model-scale targets may lie from a synthetic reference's stored ones: relative to their
+#: spread and size.  Regenerated synthetic targets are float32 arithmetic (blr's x @ w, gap's sin)
+#: whose last bits are the machine's math library's: on an AMD EPYC 3 of blr's 100 targets came out
+#: 4 ulps (~5e-7) from those an Intel Xeon stored; a wrong order or scale is off by ~1.
+SYNTHETIC_TARGETS_RTOL = 1e-5
+
+
+def _same_synthetic_targets(model: np.ndarray, ref: Reference) -> bool:
+    """Whether ``model`` (model-scale targets) are a synthetic reference's stored ones up to the float32
+    rounding of the machine that regenerated them (:data:`SYNTHETIC_TARGETS_RTOL`); False without them."""
+    if ref.y_test is None:  # real data: targets are read, not computed, and must hash the same
+        return False
+    stored = (np.asarray(ref.y_test, dtype=np.float64) - ref.y_mean) / ref.y_std
+    bound = SYNTHETIC_TARGETS_RTOL * (np.std(stored) + np.abs(stored))
+    return bool(np.all(np.abs(model - stored) <= bound))
 
 
 def check_inputs(name: str, split: int, x_test: Any, *, root: str | os.PathLike | None = None) -> None:
