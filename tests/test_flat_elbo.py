@@ -126,6 +126,22 @@ def test_mean_field_local_reparameterization_equals_pyro(float64, flat_kernel, c
                 num_particles=num_particles)
 
 
+@pytest.mark.parametrize("through_sigmoid", [False, True])
+@pytest.mark.parametrize("case", [c for c in CASES if c[3] == "tanh"], ids=lambda c: "-".join(map(str, c)))
+def test_both_tanh_forms_of_the_torch_paths_equal_pyro(float64, monkeypatch, case, through_sigmoid):
+    """Whichever form the machine's tanh takes on the torch paths (ATen's, or 2 sigmoid(2a) - 1 where
+    ATen's is MKL's slow path: ``pyrobdl.flat.kernel.tanh_through_sigmoid``), the locally reparameterized
+    likelihood (mean field's and variational dropout's) and the weight-draw path equal Pyro's ELBO."""
+    from pyrobdl.flat import FlatLogJoint
+    from pyrobdl.flat import kernel as flat_kernel_module
+
+    monkeypatch.setattr(flat_kernel_module, "tanh_through_sigmoid", lambda device: through_sigmoid)
+    monkeypatch.setattr(FlatLogJoint, "numpy_kernel", False)
+    test_mean_field_local_reparameterization_equals_pyro(None, "torch", case, "analytic", 3, True)
+    test_mean_field_equals_pyro(None, "torch", case, "monte_carlo", 1, False)
+    assert FlatLogJoint(make_model(*case), *make_data(make_model(*case)))._sigmoid_tanh is through_sigmoid
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 @pytest.mark.parametrize("beta", [1.0, 0.3])
 def test_map_equals_pyro(float64, flat_kernel, case, beta):

@@ -56,6 +56,15 @@ def tanh_through_sigmoid(device: torch.device) -> bool:
     return not (torch.backends.mkl.is_available() and _cpu_vendor() == "GenuineIntel")
 
 
+def tanh_(a: torch.Tensor, through_sigmoid: bool) -> torch.Tensor:
+    """``tanh(a)`` in place: ATen's, or ``2 sigmoid(2a) - 1`` where :func:`tanh_through_sigmoid` says
+    ATen's is the slower (for paths that keep ``h = tanh(a)`` itself, unlike this kernel's fold; on the
+    AMD EPYC of 2026-11-30, 200,000 elements: 153 against ATen's 694 CPU µs, within 1.8e-7 of it)."""
+    if through_sigmoid:
+        return a.mul_(2.0).sigmoid_().mul_(2.0).sub_(1.0)
+    return a.tanh_()
+
+
 def value_and_grad(
     lj: Any, theta: torch.Tensor, idx: torch.Tensor | None, prior: bool = True, functional: bool = False,
     value: bool = True,

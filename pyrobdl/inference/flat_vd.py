@@ -29,6 +29,7 @@ import torch
 
 from .._grad import no_grad
 from ..flat import FlatLogJoint
+from ..flat import kernel as _kernel
 from ..guides import variational_dropout as _vd
 from ..guides.variational_dropout import KINGMA_CONSTANTS, LOG_ALPHA_RANGE, MOLCHANOV_CONSTANTS, _EPS
 from . import numpy_elbo as _numpy_elbo
@@ -198,7 +199,8 @@ def _lrt_likelihood(
             torch.ops.aten.threshold_backward.grad_input(half_inv_sd, v, _VAR_FLOOR, grad_input=half_inv_sd)
         saved.append((h, h2, half_inv_sd))
         if i < last:
-            h = a.relu_() if relu else a.tanh_()
+            # tanh as 2 sigmoid(2a) - 1 where ATen's tanh is MKL's slow path (pyrobdl.flat.kernel), and compiled
+            h = a.relu_() if relu else _kernel.tanh_(a, lj._sigmoid_tanh or functional)
     ll, g, du = lj.output_log_lik_and_grad(a, idx, theta)
     if du is not None:
         g_theta[:, lj.precision_index] = du
