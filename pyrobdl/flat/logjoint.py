@@ -3,6 +3,7 @@ autograd twin and prior draws (the package docstring, :mod:`pyrobdl.flat`, has t
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import warnings
@@ -21,6 +22,18 @@ from .support import _check_supported, auto_chunk_size
 _LOG_2PI = math.log(2.0 * math.pi)
 # torch.compiler.is_compiling from torch 2.3 (the requirement allows 2.2, where nothing here is compiled by default)
 _is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
+
+
+def _inductor_options(device: torch.device) -> Any:
+    """Inductor's options for :meth:`FlatLogJoint.compile`'s graphs: on the CPU a C++ wrapper around the
+    generated kernels instead of a Python one (``cpp_wrapper``): the same floats, 0.93x the CPU per leapfrog
+    step at K = 8 in blocks of 4 and 0.98x at K = 32 (AMD EPYC, 2026-11-30; on the Intel Xeon ~20 µs less
+    per kernel call, 2026-11-30); no longer to compile there.  Elsewhere Inductor's defaults."""
+    if device.type != "cpu":
+        return contextlib.nullcontext()
+    import torch._inductor.config as inductor_config
+
+    return inductor_config.patch(cpp_wrapper=True)
 
 
 class FlatLogJoint:
@@ -208,8 +221,8 @@ class FlatLogJoint:
                 if leapfrog_block:
                     block = torch.compile(_compiled_entry(self._leapfrog_steps(leapfrog_block), key + ("leapfrog", leapfrog_block)),
                                           dynamic=False)
-                with torch.inference_mode():  # the mode every call runs it in (_vg): one graph, no recompiling
-                    for k in sorted(sizes):
+                with torch.inference_mode(), _inductor_options(self.device):  # inference: the mode every call runs it in
+                    for k in sorted(sizes):  # (_vg): one graph, no recompiling; the first calls compile
                         zeros = torch.zeros(k, self.size, dtype=self.dtype, device=self.device)  # shapes matter, not values
                         fn(zeros)
                         if block is not None:  # distinct tensors (aliasing is guarded), [K, 1] contiguous (strides too)
