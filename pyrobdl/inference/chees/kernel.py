@@ -127,8 +127,10 @@ def _compile(lj: FlatLogJoint, k: int, option: bool | str) -> float:
 
 def _block(lj: FlatLogJoint) -> dict:
     """:meth:`FlatLogJoint.compile`'s leapfrog block for chees: 4 steps a call on the CPU (the compiled
-    kernel's fixed cost per call shared: 0.90x the CPU per leapfrog step at K = 8 on the benchmark BNN,
-    2 and 4 alike, 8 slower; docs/benchmarks/chees.md); on CUDA none (unmeasured there)."""
+    kernel's fixed cost per call shared: 0.90x the CPU per leapfrog step at K = 8 on the benchmark BNN
+    with Inductor's Python wrapper, 2 and 4 alike, 8 slower; with its C++ wrapper, now the default, 4
+    0.87-0.89x and 8 0.83-0.86x, at K = 32 0.80x and 0.76x: 8 is the candidate, 4 what the comparison
+    with BlackJAX measured; docs/benchmarks/chees.md); on CUDA none (unmeasured there)."""
     return {"leapfrog_block": LEAPFROG_BLOCK} if lj.device.type == "cpu" else {}
 
 
