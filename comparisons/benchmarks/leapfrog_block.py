@@ -11,8 +11,10 @@ compare`` does), ``K`` chains, the same 16-step trajectory run
     by :meth:`FlatLogJoint.leapfrog` after ``FlatLogJoint.compile(K, leapfrog_block=m)``: ``m`` steps,
     updates included, in one compiled graph (16 = a multiple of every ``m`` measured).
 
+Both run chees's own ``_Sampler.leapfrog`` on the log joint compiled either way.
+
 Rounds alternate the variants' order; each round times ``--calls`` trajectories of every variant in
-process CPU microseconds per leapfrog step; printed: the median per variant and the median over rounds
+process CPU microseconds per leapfrog step (wall beside); printed: the medians per variant and the median over rounds
 of each variant's ratio to ``per step`` in the same round (the host's speed drifts between rounds).
 The variants' final momenta are checked to agree first (float32 rounding of the fused updates).
 
@@ -30,6 +32,7 @@ import torch
 
 import pyrobdl
 from pyrobdl.flat import FlatLogJoint
+from pyrobdl.inference.chees import _Sampler
 
 STEPS = 16
 
@@ -47,28 +50,10 @@ def _log_joint(k: int, block: int) -> FlatLogJoint:
     return lj
 
 
-def per_step(lj: FlatLogJoint, theta, p, grad, step: float, inv_mass):
-    """The trajectory as chees ran it before the block: eager updates around one compiled call a step."""
-    theta, p = theta.clone(), p + (0.5 * step) * grad
-    scaled = step * inv_mass
-    for i in range(STEPS):
-        theta.addcmul_(scaled, p)
-        logp, grad = lj.value_and_grad(theta, value=i == STEPS - 1)
-        p.add_(grad, alpha=step if i < STEPS - 1 else 0.5 * step)
-    return theta, p, logp, grad
-
-
-def blocked(lj: FlatLogJoint, theta, p, grad, step: float, inv_mass):
-    """The same trajectory in blocks of ``lj.leapfrog_block`` steps (what ``_Sampler.leapfrog`` does)."""
-    k = theta.shape[0]
-    p = p + (0.5 * step) * grad
-    scaled = (step * inv_mass).expand(theta.shape).contiguous()
-    steps = torch.full((k, 1), step, dtype=theta.dtype)
-    half = 0.5 * steps
-    blocks = STEPS // lj.leapfrog_block
-    for b in range(blocks):
-        theta, p, logp, grad = lj.leapfrog(theta, p, scaled, steps, half if b == blocks - 1 else steps)
-    return theta, p, logp, grad
+def trajectory(sampler, theta, p, grad, step: float):
+    """One 16-step trajectory through chees's own leapfrog (``_Sampler.leapfrog``): one compiled kernel
+    call a step where the log joint has no block, blocks of ``lj.leapfrog_block`` steps where it has."""
+    return sampler.leapfrog(theta, p, grad, step, STEPS)
 
 
 def main() -> None:
@@ -83,35 +68,36 @@ def main() -> None:
     torch.set_num_threads(1)
     pyrobdl.retain_freed_memory()
     k = args.chains
-    variants = {"per step": (_log_joint(k, 0), per_step)}
-    for m in args.blocks:
-        variants[f"block {m}"] = (_log_joint(k, m), blocked)
-    ref = variants["per step"][0]
+    lj0 = _log_joint(k, 0)
+    g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
-        g = torch.Generator().manual_seed(0)
-        theta = ref.sample_prior(k, generator=g) * 0.1
-        mom = torch.randn(k, ref.size, generator=g)
-        grad = ref.value_and_grad(theta)[1]
-        inv_mass = torch.ones(ref.size)
-        step = 0.002
-        want = per_step(ref, theta, mom, grad, step, inv_mass)[1]
-        for name, (lj, fn) in variants.items():
-            got = fn(lj, theta, mom, grad, step, inv_mass)[1]
-            print(f"{name}: final momenta within {float((got - want).abs().max() / want.abs().max()):.1e} (relative)")
-        times: dict[str, list[float]] = {name: [] for name in variants}
-        order = list(variants)
-        for r in range(args.rounds):
-            for name in order if r % 2 == 0 else order[::-1]:
-                lj, fn = variants[name]
-                start = time.process_time()
-                for _ in range(args.calls):
-                    fn(lj, theta, mom, grad, step, inv_mass)
-                times[name].append((time.process_time() - start) / (args.calls * STEPS) * 1e6)
-    print(f"K = {k}, {args.rounds} rounds: CPU µs per leapfrog step (per chain-gradient); ratio to per step")
+        theta = lj0.sample_prior(k, generator=g) * 0.1
+        mom = torch.randn(k, lj0.size, generator=g)
+    variants = {"per step": _Sampler(lj0, theta, g, 1000.0)}
+    for m in args.blocks:
+        variants[f"block {m}"] = _Sampler(_log_joint(k, m), theta, g, 1000.0)
+    grad, step = variants["per step"].grad, 0.002
+    want = trajectory(variants["per step"], theta, mom, grad, step)[1]
+    for name, sampler in variants.items():
+        got = trajectory(sampler, theta, mom, grad, step)[1]
+        print(f"{name}: final momenta within {float((got - want).abs().max() / want.abs().max()):.1e} (relative)")
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    walls: dict[str, list[float]] = {name: [] for name in variants}
+    order = list(variants)
+    for r in range(args.rounds):
+        for name in order if r % 2 == 0 else order[::-1]:
+            sampler = variants[name]
+            start, wall = time.process_time(), time.perf_counter()
+            for _ in range(args.calls):
+                trajectory(sampler, theta, mom, grad, step)
+            times[name].append((time.process_time() - start) / (args.calls * STEPS) * 1e6)
+            walls[name].append((time.perf_counter() - wall) / (args.calls * STEPS) * 1e6)
+    print(f"K = {k}, {args.rounds} rounds: | variant | CPU µs per leapfrog step (per chain-gradient) | wall µs | "
+          "CPU ratio to per step |")
     for name, ts in times.items():
         ratio = statistics.median(a / b for a, b in zip(ts, times["per step"]))
         med = statistics.median(ts)
-        print(f"| {name} | {med:.1f} ({med / k:.1f}) | {ratio:.3f} |")
+        print(f"| {name} | {med:.1f} ({med / k:.1f}) | {statistics.median(walls[name]):.1f} | {ratio:.3f} |")
 
 
 if __name__ == "__main__":
