@@ -268,25 +268,34 @@ def test_chunk_size_changes_only_rounding():
 
 
 @needs_cxx
-def test_compile_changes_only_rounding():
+@pytest.mark.parametrize("kernel", ["fused", "inductor"])
+def test_compile_changes_only_rounding(monkeypatch, kernel):
     """compile=True runs the same sampler on the compiled log joint: with a fixed step size the
     draws agree with the eager run to float32 rounding amplified by the dynamics, as for chunk
     sizes (above), whether a trajectory runs in compiled blocks of steps (15 draws, steps of 1 to
-    ~10, so blocks and single steps both); the compile time is reported and counted.  The kernel is compiled once: the
-    leapfrog loop calls it in inference mode, a chain's start outside it, and torch.compile guards
-    on both the grad mode and theta's dispatch keys (each mismatch was a second compilation)."""
+    ~10, so blocks and single steps both); the compile time is reported and counted.  Both kernels:
+    the fused one (this one-hidden-layer model's) and Inductor's (the fused one ruled out here).
+    Inductor's kernel is compiled once: the leapfrog loop calls it in inference mode, a chain's
+    start outside it, and torch.compile guards on both the grad mode and theta's dispatch keys
+    (each mismatch was a second compilation)."""
     import torch._dynamo.utils as dynamo_utils
 
+    from pyrobdl.flat import fused
+
+    if kernel == "inductor":
+        monkeypatch.setattr(fused, "unsupported", lambda lj: "ruled out by the test")
     x, y = small_data()
     kw = dict(method="chees", num_chains=4, num_warmup=0, num_samples=15, step_size=0.1, seed=3, progress=False)
     with uncertified():
-        eager = pyrobdl.fit(small_mlp(), x, y, **kw)
+        eager = pyrobdl.fit(small_mlp(), x, y, compile=False, **kw)
     torch._dynamo.reset()
     dynamo_utils.counters.clear()
     with uncertified():
         compiled = pyrobdl.fit(small_mlp(), x, y, compile=True, **kw)
-    # on the CPU chees compiles the kernel and a block of leapfrog steps (FlatLogJoint.leapfrog), each once
-    assert dynamo_utils.counters["stats"]["unique_graphs"] == 2 and chees.kernel.LEAPFROG_BLOCK > 1
+    assert compiled.diagnostics["kernel"] == kernel and eager.diagnostics["kernel"] == "eager"
+    # on the CPU Inductor compiles the kernel and a block of leapfrog steps (FlatLogJoint.leapfrog), each once
+    graphs = 2 if kernel == "inductor" else 0
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs and chees.kernel.LEAPFROG_BLOCK > 1
     assert eager.diagnostics["compile_s"] == 0.0
     assert 0 < compiled.diagnostics["compile_s"] <= compiled.cost.wall_time_s
     np.testing.assert_array_equal(eager.trace.num_steps, compiled.trace.num_steps)
@@ -296,15 +305,29 @@ def test_compile_changes_only_rounding():
         pyrobdl.fit(small_mlp(), x, y, compile="yes", **kw)
 
 
-def test_compile_auto_is_eager_on_cpu():
-    """The default compile='auto' compiles on CUDA only: on CPU it is the eager run, draw for draw."""
+@needs_cxx
+def test_compile_auto_on_cpu_is_the_fused_kernel_or_eager():
+    """The default compile='auto' on the CPU: the fused kernel where it applies (this one-hidden-layer
+    model: the eager draws to float32 rounding, with a fixed step size as above), else the eager run,
+    draw for draw (two hidden layers); never Inductor (CUDA only)."""
     x, y = small_data()
-    kw = dict(method="chees", num_chains=4, num_warmup=10, num_samples=5, seed=3, progress=False)
+    kw = dict(method="chees", num_chains=4, num_warmup=0, num_samples=10, step_size=0.1, seed=3, progress=False)
     with uncertified():
         auto = pyrobdl.fit(small_mlp(), x, y, **kw)
     with uncertified():
         eager = pyrobdl.fit(small_mlp(), x, y, compile=False, **kw)
-    assert auto.settings["compile"] == "auto" and auto.diagnostics["compile_s"] == 0.0
+    assert auto.settings["compile"] == "auto" and auto.diagnostics["compile_s"] > 0
+    assert auto.diagnostics["kernel"] == "fused"
+    np.testing.assert_array_equal(eager.trace.num_steps, auto.trace.num_steps)
+    for name in eager.samples:
+        torch.testing.assert_close(auto.samples[name], eager.samples[name], rtol=0, atol=1e-5)
+    deep = lambda: pyrobdl.BayesianMLP(2, (4, 3), 1, activation="tanh",  # noqa: E731
+                                       likelihood=pyrobdl.likelihoods.GaussianLearnedPrecision())
+    with uncertified():
+        auto = pyrobdl.fit(deep(), x, y, **kw)
+    with uncertified():
+        eager = pyrobdl.fit(deep(), x, y, compile=False, **kw)
+    assert auto.diagnostics["compile_s"] == 0.0 and auto.diagnostics["kernel"] == "eager"
     for name in eager.samples:
         assert torch.equal(auto.samples[name], eager.samples[name])
 
@@ -315,21 +338,26 @@ class _StubLogJoint:
     def __init__(self, device: str, fails: bool) -> None:
         self.device, self.fails, self.calls = torch.device(device), fails, 0
 
-    def compile(self, k: int, leapfrog_block: int = 0) -> float:
+    def compile(self, k: int, leapfrog_block: int = 0, kernel: str = "auto") -> float:
         self.calls += 1
         if self.fails:
             raise RuntimeError("torch.compile of the flat log joint failed on this machine (stub)")
         return 1.5
 
 
-def test_compile_auto_falls_back_to_eager_when_the_compiler_fails():
+def test_compile_auto_falls_back_to_eager_when_the_compiler_fails(monkeypatch):
+    from pyrobdl.flat import fused
     from pyrobdl.inference.chees import _compile
 
     assert _compile(_StubLogJoint("cuda", fails=False), 8, "auto") == 1.5
+    monkeypatch.setattr(fused, "unsupported", lambda lj: "not this model")
     cpu = _StubLogJoint("cpu", fails=False)
-    assert _compile(cpu, 8, "auto") == 0.0 and cpu.calls == 0  # never tried on CPU
-    with pytest.warns(RuntimeWarning, match="compile='auto' could not compile the log joint on cuda.*running eager"):
-        assert _compile(_StubLogJoint("cuda", fails=True), 8, "auto") == 0.0
+    assert _compile(cpu, 8, "auto") == 0.0 and cpu.calls == 0  # on the CPU only the fused kernel is tried
+    monkeypatch.setattr(fused, "unsupported", lambda lj: None)
+    assert _compile(cpu, 8, "auto") == 1.5 and cpu.calls == 1
+    for device in ("cuda", "cpu"):
+        with pytest.warns(RuntimeWarning, match=f"compile='auto' could not compile the log joint on {device}.*running eager"):
+            assert _compile(_StubLogJoint(device, fails=True), 8, "auto") == 0.0
     with pytest.raises(RuntimeError, match="stub"):  # asked for explicitly: a failure stops the run
         _compile(_StubLogJoint("cpu", fails=True), 8, True)
     assert _compile(_StubLogJoint("cpu", fails=True), 8, False) == 0.0
@@ -337,18 +365,26 @@ def test_compile_auto_falls_back_to_eager_when_the_compiler_fails():
 
 # ---------------------------------------------------------------------------- 4. the contract
 def test_contract_and_gradient_accounting(monkeypatch):
-    """Shapes of the result, and every gradient counted: the rows of every value_and_grad call
-    (spied) sum to cost.gradient_evaluations = K (the start) + K x leapfrog steps + the step-size
-    searches' K per trial step."""
+    """Shapes of the result, and every gradient counted: the rows of every value_and_grad call and
+    of every leapfrog block times its steps (spied; the default compile="auto" runs this model on the
+    fused kernel, in blocks) sum to cost.gradient_evaluations = K (the start) + K x leapfrog steps +
+    the step-size searches' K per trial step."""
     rows = {"all": 0, "search": 0}
     in_search, searches = [], []
     real_vg, real_search = FlatLogJoint.value_and_grad, chees._Sampler.find_step_size
+    real_leapfrog = FlatLogJoint.leapfrog
 
     def counting_vg(self, theta, idx=None, **kw):
         n = theta.shape[0] if theta.dim() == 2 else 1
         rows["all"] += n
         rows["search"] += n if in_search else 0
         return real_vg(self, theta, idx, **kw)
+
+    def counting_leapfrog(self, theta, *a):
+        n = theta.shape[0] * self.leapfrog_block
+        rows["all"] += n
+        rows["search"] += n if in_search else 0
+        return real_leapfrog(self, theta, *a)
 
     def counting_search(self, *a, **k):
         searches.append(1)
@@ -359,6 +395,7 @@ def test_contract_and_gradient_accounting(monkeypatch):
             in_search.pop()
 
     monkeypatch.setattr(FlatLogJoint, "value_and_grad", counting_vg)
+    monkeypatch.setattr(FlatLogJoint, "leapfrog", counting_leapfrog)
     monkeypatch.setattr(chees._Sampler, "find_step_size", counting_search)
     k, w, n = 4, 30, 10  # 30 warm-up iterations: one mass-matrix window (ends at 27), so two searches
     x, y = small_data()

@@ -250,7 +250,7 @@ def run_chees(x, y, x_test, args) -> tuple[dict, object, object]:
     extra = {"step_size": float(d["step_size"]), "mean_num_steps_sampling": float(d["mean_num_steps_sampling"]),
              "trajectory_length": float(d["trajectory_length"]), "fit_call_wall_s": wall, "fit_call_cpu_s": cpu,
              "own_certification_passed": bool(d["certification"]["passed"]),
-             "peak_memory_bytes": post.cost.peak_memory_bytes, **warm}
+             "peak_memory_bytes": post.cost.peak_memory_bytes, "kernel": d.get("kernel", "eager"), **warm}
     row = {"wall_s": post.cost.wall_time_s, "cpu_s": post.cost.cpu_time_s, "compile_s": d.get("compile_s") or 0.0,
            "sampling_wall_s": post.cost.wall_time_s, "sampling_cpu_s": post.cost.cpu_time_s, "chain_gradients": int(d["chain_gradients"]), **extra}
     return row, np.asarray(f), trace

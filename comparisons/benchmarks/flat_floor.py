@@ -8,7 +8,9 @@ process CPU µs, for the variants
 
 - ``eager auto``: ``chunk_size="auto"`` (what ``fit(method="chees")`` uses on CPU);
 - ``eager none``: all K rows in one call;
-- ``compiled auto``: ``chunk_size="auto"`` after ``FlatLogJoint.compile(K)``;
+- ``compiled auto``: ``chunk_size="auto"`` after ``FlatLogJoint.compile(K, kernel="inductor")``;
+- ``fused``: after ``FlatLogJoint.compile(K, kernel="fused")`` (``pyrobdl.flat.fused``: one C++
+  loop per chain; since 2026-11-30, the seventeenth session);
 - ``autograd``: ``log_prob_grad_autograd``, the differentiable twin (the reference);
 - ``leapfrog (eager auto)``: ten leapfrog steps of chees's kernel (``chees.kernel._Sampler``),
   per chain-gradient: the log joint plus the position and momentum updates around it (what
@@ -68,8 +70,10 @@ def make(k: int, compile_: bool) -> tuple[dict, torch.Tensor]:
         lj = FlatLogJoint(model, x, y, chunk_size="auto")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            lj.compile(k)
+            lj.compile(k, kernel="inductor")
         ljs["compiled auto"] = lj
+        ljs["fused"] = FlatLogJoint(model, x, y)
+        ljs["fused"].compile(k, kernel="fused")
     theta = ljs["eager auto"].sample_prior(k, generator=g) * 0.3
     return ljs, theta
 

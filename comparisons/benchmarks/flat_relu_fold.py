@@ -48,7 +48,7 @@ def variants(n: int, d: int, k: int) -> tuple[dict[str, FlatLogJoint], torch.Ten
             if compiled:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    lj.compile(k)
+                    lj.compile(k, kernel="inductor")
             out[("compiled" if compiled else "eager") + (", folded" if fold else ", own product")] = lj
     theta = next(iter(out.values())).sample_prior(k, generator=g) * 0.3
     return out, theta

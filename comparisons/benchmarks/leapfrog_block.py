@@ -6,7 +6,7 @@ compare`` does), ``K`` chains, the same 16-step trajectory run
 
 ``per step``
     as chees ran it before: ``theta += scaled * p`` and ``p += step * grad`` eagerly around one call of
-    the compiled log joint (``FlatLogJoint.compile(K)``);
+    the compiled log joint (``FlatLogJoint.compile(K, kernel="inductor")``);
 ``block m``
     by :meth:`FlatLogJoint.leapfrog` after ``FlatLogJoint.compile(K, leapfrog_block=m)``: ``m`` steps,
     updates included, in one compiled graph (16 = a multiple of every ``m`` measured).
@@ -46,7 +46,7 @@ def _log_joint(k: int, block: int) -> FlatLogJoint:
                       chunk_size="auto")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        lj.compile(k, leapfrog_block=block)
+        lj.compile(k, leapfrog_block=block, kernel="inductor")
     return lj
 
 

@@ -5,7 +5,7 @@ tiny: its log joint at K = 64 chains is a few hundred microseconds of some 70 sm
 This probe measures, in process CPU µs per call of ``FlatLogJoint.value_and_grad``:
 
 - ``eager``: the package's kernel (what ``fit(method="chees")`` and NUTS/HMC's flat potential run);
-- ``compiled``: the same after ``FlatLogJoint.compile(K)``;
+- ``compiled``: the same after ``FlatLogJoint.compile(K, kernel="inductor")``;
 - ``minimal``: a hand-written kernel for exactly this model (one tanh layer, one output, a fixed
   Gaussian likelihood) in [K, N, H] layout with as few ops as the maths needs — a floor for any
   eager rewrite (not in the package; checked equal to the package's kernel first);
@@ -92,7 +92,7 @@ def per_call(rounds: int, calls: int) -> dict:
     for k in (1, 64):
         lj, x, y, g = gap_log_joint()
         ljc, *_ = gap_log_joint()
-        ljc.compile(k)
+        ljc.compile(k, kernel="inductor")
         theta = lj.sample_prior(k, generator=g) * 0.3
         fns = {"eager": lj.value_and_grad, "compiled": ljc.value_and_grad, "minimal": minimal_kernel(lj, x, y)}
         v0, g0 = fns["eager"](theta)
@@ -122,7 +122,7 @@ def child_compile() -> None:
     for label, shape in (("gap", dict(n=80, d=1, hidden=(10,))), ("blr", dict(n=100, d=3, hidden=()))):
         lj, *_ = gap_log_joint(**shape)
         c = _cpu()
-        lj.compile(64)
+        lj.compile(64, kernel="inductor")
         res[label] = round(_cpu() - c, 1)
     print(json.dumps(res))
 

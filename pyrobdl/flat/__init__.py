@@ -30,6 +30,8 @@ object is built, never silently approximated.
 Modules: :mod:`~pyrobdl.flat.layout` (the packing), :mod:`~pyrobdl.flat.support` (what is
 implemented, refused by name), :mod:`~pyrobdl.flat.logjoint` (the object),
 :mod:`~pyrobdl.flat.kernel` (the hand-written value and gradient),
+:mod:`~pyrobdl.flat.numpy_kernel` (its numpy twin for small CPU calls),
+:mod:`~pyrobdl.flat.fused` (one C++ loop per chain for one-hidden-layer regression networks),
 :mod:`~pyrobdl.flat.compiled` (``torch.compile`` code objects).  Everything is importable from
 ``pyrobdl.flat``, as it was when the package was one module.
 """

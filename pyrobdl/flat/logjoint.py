@@ -13,6 +13,7 @@ import torch
 
 from .. import likelihoods as _lik
 from .._grad import no_grad
+from . import fused as _fused
 from . import kernel as _kernel
 from . import numpy_kernel as _numpy_kernel
 from .compiled import _compiled_entry
@@ -160,6 +161,7 @@ class FlatLogJoint:
                                  if self.task != "classification" and not self._learned else 0.0)
         self._compiled: Any = None
         self._leapfrog_compiled: Any = None
+        self._fused: _fused.FusedKernel | None = None
         #: leapfrog steps per :meth:`leapfrog` call, once compiled (:meth:`compile`); 0: none
         self.leapfrog_block = 0
         #: relu into one output unit: the output weight's gradient from layer 0's GEMM (below);
@@ -170,13 +172,16 @@ class FlatLogJoint:
         self._numpy_plan: Any = None
         self._widest = max((model.out_features, *model.hidden))
 
-    def compile(self, batch_size: int, leapfrog_block: int = 0) -> float:
-        """Compile the full-data log joint and gradient with ``torch.compile`` for ``[K, P]`` batches.
+    def compile(self, batch_size: int, leapfrog_block: int = 0, kernel: str = "auto") -> float:
+        """Compile the full-data log joint and gradient for ``[K, P]`` batches.
 
         Afterwards :meth:`value_and_grad` with ``idx=None`` and ``prior=True`` (what a sampler
-        calls) runs the compiled kernel; other calls stay eager.  The batch shapes that
-        ``batch_size`` rows produce under :attr:`chunk_size` are compiled now, so compilation
-        cost and failures happen here, not inside a run.
+        calls) runs the compiled kernel; other calls stay eager.  Two compiled kernels:
+        :mod:`~pyrobdl.flat.fused` (one C++ loop per chain, for a one-hidden-layer regression
+        network in float32 on the CPU; built once per machine) and ``torch.compile`` of the torch
+        kernel (any model; the batch shapes that ``batch_size`` rows produce under
+        :attr:`chunk_size` are compiled now).  Either way compilation cost and failures happen
+        here, not inside a run.
 
         Parameters
         ----------
@@ -185,6 +190,11 @@ class FlatLogJoint:
         leapfrog_block : int, default 0
             At least 2: also compile :meth:`leapfrog` (that many leapfrog steps in one graph, for a
             sampler; one call's fixed cost shared by the steps); 0: not.
+        kernel : {"auto", "fused", "inductor"}, default "auto"
+            ``"fused"``: the fused kernel (:func:`pyrobdl.flat.fused.unsupported` says where it
+            does not apply; 1.4-2.7x less CPU per chain-gradient than the Inductor graph on the
+            chees benchmark's network, ``docs/benchmarks/chees.md``); ``"inductor"``:
+            ``torch.compile``; ``"auto"``: the fused kernel where it applies, else Inductor.
 
         Returns
         -------
@@ -194,14 +204,27 @@ class FlatLogJoint:
         Raises
         ------
         ValueError
-            For a ``leapfrog_block`` other than 0 or an integer >= 2.
+            For a ``leapfrog_block`` other than 0 or an integer >= 2, an unknown ``kernel``, or
+            ``kernel="fused"`` where it does not apply (the reason is in the message).
         RuntimeError
-            When ``torch.compile`` fails on this machine (e.g. no C++ compiler for the CPU
-            backend); the message says to run uncompiled.
+            When compiling fails on this machine (e.g. no C++ compiler); the message says to run
+            uncompiled.
         """
         if not isinstance(leapfrog_block, int) or isinstance(leapfrog_block, bool) or leapfrog_block == 1 or leapfrog_block < 0:
             raise ValueError(f"leapfrog_block must be 0 (none) or an integer >= 2, got {leapfrog_block!r}")
+        if kernel not in ("auto", "fused", "inductor"):
+            raise ValueError(f"kernel must be 'auto', 'fused' or 'inductor', got {kernel!r}")
         start = time.perf_counter()
+        reason = _fused.unsupported(self)
+        if kernel == "fused" and reason is not None:
+            raise ValueError(f"kernel='fused' does not apply to this log joint: {reason}")
+        if kernel == "fused" or (kernel == "auto" and reason is None):
+            try:
+                fused = _fused.FusedKernel(self)
+            except RuntimeError as err:
+                raise RuntimeError(f"{err}; run without compiling (compile=False)") from err
+            self._fused, self._compiled, self._leapfrog_compiled, self.leapfrog_block = fused, None, None, leapfrog_block
+            return time.perf_counter() - start
         c = self.chunk_size
         sizes = {batch_size} if c is None or batch_size <= c else {c} | ({batch_size % c} - {0})
         try:
@@ -231,7 +254,8 @@ class FlatLogJoint:
         except Exception as err:  # torch's compiler raises many types (BackendCompilerFailed, ...)
             raise RuntimeError(f"torch.compile of the flat log joint failed on this machine ({type(err).__name__}: "
                                f"{str(err)[:300]}); run without compiling (compile=False)") from err
-        self._compiled, self._leapfrog_compiled, self.leapfrog_block = fn, block, leapfrog_block if block is not None else 0
+        self._compiled, self._leapfrog_compiled, self._fused = fn, block, None
+        self.leapfrog_block = leapfrog_block if block is not None else 0
         return time.perf_counter() - start
 
     def _leapfrog_steps(self, m: int):
@@ -246,7 +270,7 @@ class FlatLogJoint:
 
     def leapfrog(self, theta: torch.Tensor, p: torch.Tensor, scaled: torch.Tensor, step: torch.Tensor,
                  last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        r""":attr:`leapfrog_block` leapfrog steps of every row in one compiled call (after :meth:`compile`).
+        r""":attr:`leapfrog_block` leapfrog steps of every row in one compiled call (after :meth:`compile`; fused: chain by chain).
 
         Each step is ``theta += scaled * p``, the log joint's gradient ``g`` at ``theta``, then
         ``p += step * g`` — by ``last`` instead of ``step`` in the block's final step (a trajectory's
@@ -266,6 +290,8 @@ class FlatLogJoint:
             Positions and momenta after the block, and the log joint ``[K]`` and gradient ``[K, P]``
             at the final positions.
         """
+        if self._fused is not None and self.leapfrog_block:
+            return self._fused.leapfrog(theta, p, scaled, step, last, self.leapfrog_block)
         if self._leapfrog_compiled is None:
             raise RuntimeError("FlatLogJoint.leapfrog needs compile(batch_size, leapfrog_block=m) first")
         args, seen = [], set()
@@ -281,6 +307,11 @@ class FlatLogJoint:
             return tuple(torch.cat([part[j] for part in parts]) for j in range(4))
 
     # ------------------------------------------------------------------------------- helpers
+    @property
+    def kernel(self) -> str:
+        """What full-data calls run: ``"fused"`` or ``"inductor"`` (after :meth:`compile`), else ``"eager"``."""
+        return "fused" if self._fused is not None else "inductor" if self._compiled is not None else "eager"
+
     @property
     def size(self) -> int:
         """P, the length of a flat parameter vector."""
@@ -432,6 +463,9 @@ class FlatLogJoint:
         self._check_idx(idx, k)
         if prior and not self.has_prior:
             raise ValueError("this FlatLogJoint was built with prior=False: it has no log prior")
+        if self._fused is not None and idx is None and prior:  # compile(): one loop per chain, no chunks
+            with torch.inference_mode():
+                return self._fused.value_and_grad(theta)
         if self.chunk_size is not None and k > self.chunk_size:
             c = self.chunk_size
             rows = (lambda i: idx[i : i + c]) if idx is not None and idx.dim() == 2 else (lambda i: idx)

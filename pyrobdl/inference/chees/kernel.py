@@ -8,6 +8,7 @@ import warnings
 import torch
 
 from ...flat import FlatLogJoint
+from ...flat import fused as _fused
 
 class _Sampler:
     """The state of K lock-step chains and one jittered-HMC transition of all of them."""
@@ -108,16 +109,19 @@ class _Sampler:
 def _compile(lj: FlatLogJoint, k: int, option: bool | str) -> float:
     """Compile ``lj`` for K rows as ``option`` asks; the seconds spent (0 when not compiled).
 
-    ``"auto"`` compiles on CUDA only (measured on an H100: more than 2x faster end to end at
-    K = 1,024, against 1.15-1.35x per chain-gradient on CPU, where compiling also needs a C++
-    compiler); there a failure of the compiler warns and the run goes on eager.  ``True`` compiles anywhere
-    and a failure stops the run (:meth:`FlatLogJoint.compile`).
+    ``"auto"``: on CUDA ``torch.compile`` (measured on an H100: more than 2x faster end to end at
+    K = 1,024); on the CPU the fused kernel (:mod:`pyrobdl.flat.fused`: 2-7x less CPU per
+    chain-gradient than the eager kernel at the benchmark and quickstart shapes, built in about a
+    second once per machine) where it applies, else nothing (Inductor: 1.15-1.35x per
+    chain-gradient on CPU, for tens of seconds of compiling); there a failure of the compiler
+    warns and the run goes on eager.  ``True`` compiles anywhere (the fused kernel where it
+    applies, else Inductor) and a failure stops the run (:meth:`FlatLogJoint.compile`).
     """
     if option == "auto":
-        if lj.device.type != "cuda":
+        if lj.device.type != "cuda" and _fused.unsupported(lj) is not None:
             return 0.0
         try:
-            return lj.compile(k)
+            return lj.compile(k, **_block(lj))
         except RuntimeError as err:
             warnings.warn(f"chees: compile='auto' could not compile the log joint on {lj.device} ({err}); "
                           "running eager", RuntimeWarning, stacklevel=3)

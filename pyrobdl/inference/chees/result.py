@@ -108,6 +108,7 @@ def _sampler_diagnostics(run: _Run, stats: Mapping[str, np.ndarray], diverging_r
         "map_chain_gradients": int(run.map_grads),
         "cpu_time_s": cpu,
         "compile_s": float(run.compile_s + run.elapsed[2]),
+        "kernel": run.lj.kernel,  # the log joint's kernel: "fused", "inductor" or "eager" (FlatLogJoint.kernel)
         # iterations at which this run was resumed from its checkpoint, and writes of it
         "resumed_at": run.resumed_at,
         "checkpoint_saves": ckpt.saves if ckpt is not None else 0,

@@ -1,0 +1,218 @@
+// The fused kernel of pyrobdl.flat.fused (that module's docstring has the maths and the measurements):
+// the log joint and gradient of a one-hidden-layer MLP with one output and a Gaussian likelihood, one
+// chain at a time, 16 data points per vector (GCC/Clang vector extensions: AVX-512 registers where the
+// CPU has them, split into narrower ones where not).  Built by pyrobdl.flat.fused with -O3 -march=native
+// and without -ffast-math (NaN and inf propagate as in torch: a sampler detects divergence by them).
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t L = 16;  // data points per vector
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t i16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));  // unaligned loads and stores
+
+inline v16 splat(float x) { return v16{} + x; }
+inline v16 load(const float* p) { return *reinterpret_cast<const v16u*>(p); }
+inline void store(float* p, v16 v) { *reinterpret_cast<v16u*>(p) = v; }
+inline float hsum(v16 v) {
+  float s = 0.f;
+  for (int64_t i = 0; i < L; ++i) s += v[i];
+  return s;
+}
+
+// exp(x), x clamped to [-30, 30] (sigmoid(2a) is 0 or 1 in float32 beyond): 2^n e^r with
+// n = round(x / ln 2), r = x - n ln 2 (ln 2 in two parts) in [-ln2/2, ln2/2], e^r by its Taylor
+// polynomial of degree 7 (truncation below 6e-9 relative); NaN stays NaN (comparisons with NaN are false)
+inline v16 vexp(v16 x) {
+  x = x < -30.f ? splat(-30.f) : x;
+  x = x > 30.f ? splat(30.f) : x;
+  const v16 shifter = splat(12582912.f);  // 1.5 * 2^23: adding it rounds to an integer
+  const v16 n = (x * 1.44269504088896341f + shifter) - shifter;
+  v16 r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  v16 p = splat(1.f / 5040.f);
+  p = p * r + 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const i16 e = __builtin_convertvector(n, i16) << 23;
+  return reinterpret_cast<v16>(reinterpret_cast<i16>(p) + e);
+}
+
+}  // namespace
+
+extern "C" {
+
+// Mirrors pyrobdl.flat.fused._Net (ctypes): keep the two in the same order.
+struct PyrobdlNet {
+  int64_t P, N, NP, D, H, act;        // act: 0 tanh, 1 relu; NP: N rounded up to 16
+  int64_t ow0, ob0, ow1, ob1, ou;     // offsets in theta; -1: no such site (no bias; fixed precision)
+  float tau, lik_const;               // fixed precision, and N times its per-point normaliser
+  float a, b, gamma_const;            // a learned precision's Gamma(a, b) prior
+  float prior_const;
+  const float* XT;                    // [D][NP] inputs, feature-major, zero-padded
+  const float* y;                     // [NP]
+  const float* mask;                  // [NP]: 1 for a data point, 0 for padding
+  const float* prior_prec;            // [P]: the Gaussian prior's precision per coordinate (0: none)
+};
+
+}  // extern "C"
+
+namespace {
+
+// the log joint of one chain at th [P]; its gradient into g [P].  DC: the number of inputs when known
+// at compile time (a block's inputs then stay in registers), 0 for any D
+template <int64_t DC>
+float chain_vg(const PyrobdlNet& net, const float* th, float* g, std::vector<float>& buf) {
+  const int64_t H = net.H, D = DC ? DC : net.D, NP = net.NP;
+  buf.resize(2 * L * H + H * NP);
+  float* T = buf.data();          // [H][16]: a block's activations (tanh: s = sigmoid(2a))
+  float* GW1 = T + L * H;         // [H][16]: the output weights' gradient, per lane
+  float* DA = GW1 + L * H;        // [H][NP]: dlogp/da of every hidden unit and data point
+  const float* w0 = th + net.ow0;
+  const float* w1 = th + net.ow1;
+  const float b1 = net.ob1 >= 0 ? th[net.ob1] : 0.f;
+  const float u = net.ou >= 0 ? th[net.ou] : 0.f;
+  const float tau = net.ou >= 0 ? std::exp(u) : net.tau;
+  const bool tanh = net.act == 0;
+  // the Gaussian prior: -prec theta, and the log density's quadratic form
+  float lp = 0.f;
+  for (int64_t j = 0; j < net.P; ++j) {
+    g[j] = -net.prior_prec[j] * th[j];
+    lp += g[j] * th[j];
+  }
+  lp = 0.5f * lp + net.prior_const;
+  // tanh(a) = 2 s - 1 with s = sigmoid(2a): f = sum_h 2 w1_h s_h + (b1 - sum_h w1_h)
+  float c1 = 0.f;
+  if (tanh)
+    for (int64_t h = 0; h < H; ++h) c1 += w1[h];
+  std::memset(GW1, 0, sizeof(float) * L * H);
+  v16 sq = splat(0.f), gb1 = splat(0.f);
+  for (int64_t n0 = 0; n0 < NP; n0 += L) {
+    v16 f = splat(b1 - c1);
+    v16 xb[DC ? DC : 1];  // the block's inputs, when D is known
+    for (int64_t i = 0; i < DC; ++i) xb[i] = load(net.XT + i * NP + n0);
+    for (int64_t h = 0; h < H; ++h) {
+      const float* wr = w0 + h * D;
+      v16 a = splat(net.ob0 >= 0 ? th[net.ob0 + h] : 0.f);
+      if (DC)
+        for (int64_t i = 0; i < DC; ++i) a += wr[i] * xb[i];
+      else
+        for (int64_t i = 0; i < D; ++i) a += wr[i] * load(net.XT + i * NP + n0);
+      v16 z;
+      if (tanh) {
+        z = 1.f / (1.f + vexp(a * -2.f));
+        f += (2.f * w1[h]) * z;
+      } else {
+        z = a < 0.f ? splat(0.f) : a;  // relu; NaN stays NaN
+        f += w1[h] * z;
+      }
+      store(T + h * L, z);
+    }
+    const v16 r = (load(net.y + n0) - f) * load(net.mask + n0);
+    sq += r * r;
+    const v16 gf = r * tau;  // dlogp/df
+    gb1 += gf;
+    for (int64_t h = 0; h < H; ++h) {
+      const v16 z = load(T + h * L);
+      v16 d;
+      if (tanh) {  // tanh'(a) = 4 s (1 - s)
+        store(GW1 + h * L, load(GW1 + h * L) + gf * (2.f * z - 1.f));
+        d = gf * (4.f * w1[h]) * z * (1.f - z);
+      } else {
+        store(GW1 + h * L, load(GW1 + h * L) + gf * z);
+        d = z > 0.f ? gf * w1[h] : splat(0.f);
+      }
+      store(DA + h * NP + n0, d);
+    }
+  }
+  // layer 0's gradient: [H][NP] x [NP][D], eight inputs at a time held in registers
+  for (int64_t h = 0; h < H; ++h) {
+    const float* dh = DA + h * NP;
+    float* gw = g + net.ow0 + h * D;
+    int64_t i0 = 0;
+    for (; i0 + 8 <= D; i0 += 8) {
+      v16 acc[8] = {};
+      for (int64_t n0 = 0; n0 < NP; n0 += L) {
+        const v16 d = load(dh + n0);
+        for (int64_t j = 0; j < 8; ++j) acc[j] += d * load(net.XT + (i0 + j) * NP + n0);
+      }
+      for (int64_t j = 0; j < 8; ++j) gw[i0 + j] += hsum(acc[j]);
+    }
+    for (; i0 < D; ++i0) {
+      v16 acc = splat(0.f);
+      for (int64_t n0 = 0; n0 < NP; n0 += L) acc += load(dh + n0) * load(net.XT + i0 * NP + n0);
+      gw[i0] += hsum(acc);
+    }
+    if (net.ob0 >= 0) {
+      v16 acc = splat(0.f);
+      for (int64_t n0 = 0; n0 < NP; n0 += L) acc += load(dh + n0);
+      g[net.ob0 + h] += hsum(acc);
+    }
+    g[net.ow1 + h] += hsum(load(GW1 + h * L));
+  }
+  if (net.ob1 >= 0) g[net.ob1] += hsum(gb1);
+  const float s = hsum(sq);
+  if (net.ou >= 0) {  // learned precision tau = e^u: likelihood, Gamma prior and Jacobian
+    const float m = static_cast<float>(net.N);
+    lp += 0.5f * m * (u - 1.8378770664093453f) - 0.5f * tau * s + net.gamma_const + net.a * u - net.b * tau;
+    g[net.ou] += 0.5f * m - 0.5f * tau * s + net.a - net.b * tau;
+  } else {
+    lp += net.lik_const - 0.5f * tau * s;
+  }
+  return lp;
+}
+
+typedef float (*ChainVg)(const PyrobdlNet&, const float*, float*, std::vector<float>&);
+
+// the instance for D inputs: one per D up to 16, the general one beyond
+ChainVg chain_vg_for(int64_t D) {
+  static const ChainVg known[] = {chain_vg<0>, chain_vg<1>, chain_vg<2>, chain_vg<3>, chain_vg<4>, chain_vg<5>,
+                                  chain_vg<6>, chain_vg<7>, chain_vg<8>, chain_vg<9>, chain_vg<10>, chain_vg<11>,
+                                  chain_vg<12>, chain_vg<13>, chain_vg<14>, chain_vg<15>, chain_vg<16>};
+  return D >= 1 && D <= 16 ? known[D] : chain_vg<0>;
+}
+
+}  // namespace
+
+extern "C" {
+
+// log joint [K] and gradient [K, P] at theta [K, P]
+void pyrobdl_fused_vg(const PyrobdlNet* net, const float* theta, int64_t K, float* logp, float* grad) {
+  thread_local std::vector<float> buf;
+  const auto vg = chain_vg_for(net->D);
+  for (int64_t k = 0; k < K; ++k) logp[k] = vg(*net, theta + k * net->P, grad + k * net->P, buf);
+}
+
+// m leapfrog steps of every row: theta += scaled p, gradient g at theta, p += c g with c = step[k],
+// last[k] in the final step; outputs theta_out, p_out [K, P], logp [K], grad [K, P] at the end
+void pyrobdl_fused_leapfrog(const PyrobdlNet* net, const float* theta, const float* p, const float* scaled,
+                            const float* step, const float* last, int64_t K, int64_t m,
+                            float* theta_out, float* p_out, float* logp, float* grad) {
+  thread_local std::vector<float> buf;
+  const auto vg = chain_vg_for(net->D);
+  const int64_t P = net->P;
+  for (int64_t k = 0; k < K; ++k) {
+    float* th = theta_out + k * P;
+    float* pk = p_out + k * P;
+    float* gk = grad + k * P;
+    const float* sk = scaled + k * P;
+    std::memcpy(th, theta + k * P, sizeof(float) * P);
+    std::memcpy(pk, p + k * P, sizeof(float) * P);
+    for (int64_t i = 0; i < m; ++i) {
+      for (int64_t j = 0; j < P; ++j) th[j] += sk[j] * pk[j];
+      logp[k] = vg(*net, th, gk, buf);
+      const float c = i < m - 1 ? step[k] : last[k];
+      for (int64_t j = 0; j < P; ++j) pk[j] += c * gk[j];
+    }
+  }
+}
+
+}  // extern "C"
