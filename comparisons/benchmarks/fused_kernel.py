@@ -4,7 +4,9 @@ For each shape and K it builds the same log joint three ways — ``FlatLogJoint.
 kernel="fused")``, ``compile(K, kernel="inductor")`` and uncompiled (the eager torch kernel, or its
 numpy twin where the size rule sends small calls there) — checks each against the autograd twin, then
 times ``value_and_grad`` at K rows: one process, one torch thread, ``--rounds`` rounds in alternating
-order of ``--seconds`` of process CPU time each; medians of CPU µs and wall µs per chain-gradient.
+order of ``--seconds`` of process CPU time each; medians of CPU µs and wall µs per chain-gradient, and
+of the products' "peak mm" floor at the shape (``flat_floor.py``'s: their FLOPs at a 512 x 512
+``torch.mm``'s rate, timed in every round).
 
 Shapes: ``bnn-tanh`` (the chees benchmark's 500 x 8, 1 x 50 tanh, learned precision), ``bnn-relu``
 (the same with relu: the UCI models' activation) and ``gap`` (the quickstart's 80 x 1, 1 x 10 tanh,
@@ -52,6 +54,21 @@ def build(shape: dict, k: int, inductor: bool) -> tuple[dict, torch.Tensor]:
     return ljs, ljs["eager"].sample_prior(k, generator=g) * 0.3
 
 
+def peak_floor_us(shape: dict, seconds: float) -> float:
+    """The products' multiply-adds of one chain-gradient (layer 0 forward and its weight gradient, the output
+    layer's forward, weight gradient and back-propagated ``g w``) at a 512 x 512 ``torch.mm``'s rate, µs:
+    ``flat_floor.py``'s "peak mm" floor at this shape."""
+    n, d, h = shape["n"], shape["d"], shape["h"]
+    flops = 2 * (2 * n * (d + 1) * h + 3 * n * h)
+    a, b, out = torch.randn(512, 512), torch.randn(512, 512), torch.empty(512, 512)
+    torch.mm(a, b, out=out)
+    reps, start = 0, time.process_time()
+    while time.process_time() - start < seconds:
+        torch.mm(a, b, out=out)
+        reps += 1
+    return flops / (2 * 512**3 * reps / (time.process_time() - start)) * 1e6
+
+
 def measure(name: str, k: int, args) -> None:
     ljs, theta = build(SHAPES[name], k, not args.no_inductor)
     ref_v, ref_g = ljs["eager"].log_prob_grad_autograd(theta)
@@ -62,8 +79,10 @@ def measure(name: str, k: int, args) -> None:
                       f"{float((g - ref_g).abs().max() / ref_g.abs().max()):.1e}")
     cpu: dict = {label: [] for label in ljs}
     wall: dict = {label: [] for label in ljs}
+    floors = []
     with torch.inference_mode():
         for r in range(args.rounds):
+            floors.append(peak_floor_us(SHAPES[name], args.seconds / 2))
             for label in (list(ljs) if r % 2 == 0 else list(ljs)[::-1]):
                 lj = ljs[label]
                 lj.value_and_grad(theta)
@@ -77,7 +96,9 @@ def measure(name: str, k: int, args) -> None:
     medw = {label: statistics.median(v) for label, v in wall.items()}
     cells = " | ".join(f"{med[label]:.2f} ({medw[label]:.2f})" for label in ljs)
     ratios = " | ".join(f"{med['fused'] / med[label]:.3f}" for label in ljs if label != "fused")
-    print(f"| {name} | {k} | {cells} | {ratios} | {'; '.join(checks)} |", flush=True)
+    floor = statistics.median(floors)
+    print(f"| {name} | {k} | {cells} | {ratios} | {floor:.2f} ({med['fused'] / floor:.2f}x) | {'; '.join(checks)} |",
+          flush=True)
 
 
 def main() -> None:
@@ -95,8 +116,9 @@ def main() -> None:
           f"load {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     labels = ["fused", "eager"] + ([] if args.no_inductor else ["inductor"])
     print(f"| shape | K | {' | '.join(f'{label}: CPU µs (wall)' for label in labels)} | "
-          f"{' | '.join(f'fused / {label}' for label in labels[1:])} | max rel. error vs autograd twin (value / gradient) |")
-    print("|" + "---|" * (2 + len(labels) + len(labels) - 1 + 1))
+          f"{' | '.join(f'fused / {label}' for label in labels[1:])} | peak-mm floor, CPU µs (fused / floor) | "
+          "max rel. error vs autograd twin (value / gradient) |")
+    print("|" + "---|" * (2 + len(labels) + len(labels) - 1 + 2))
     for name in args.shapes:
         for k in args.chains:
             measure(name, k, args)
