@@ -192,8 +192,8 @@ class FlatLogJoint:
             sampler; one call's fixed cost shared by the steps); 0: not.
         kernel : {"auto", "fused", "inductor"}, default "auto"
             ``"fused"``: the fused kernel (:func:`pyrobdl.flat.fused.unsupported` says where it
-            does not apply; 1.4-2.7x less CPU per chain-gradient than the Inductor graph on the
-            chees benchmark's network, ``docs/benchmarks/chees.md``); ``"inductor"``:
+            does not apply; 1.6-3.4x less CPU per chain-gradient than the Inductor graph on the
+            chees benchmark's network at K = 1-256, ``docs/benchmarks/chees.md``); ``"inductor"``:
             ``torch.compile``; ``"auto"``: the fused kernel where it applies, else Inductor.
 
         Returns
@@ -214,8 +214,7 @@ class FlatLogJoint:
             raise ValueError(f"leapfrog_block must be 0 (none) or an integer >= 2, got {leapfrog_block!r}")
         if kernel not in ("auto", "fused", "inductor"):
             raise ValueError(f"kernel must be 'auto', 'fused' or 'inductor', got {kernel!r}")
-        start = time.perf_counter()
-        reason = _fused.unsupported(self)
+        start, reason = time.perf_counter(), _fused.unsupported(self)
         if kernel == "fused" and reason is not None:
             raise ValueError(f"kernel='fused' does not apply to this log joint: {reason}")
         if kernel == "fused" or (kernel == "auto" and reason is None):
@@ -270,9 +269,10 @@ class FlatLogJoint:
 
     def leapfrog(self, theta: torch.Tensor, p: torch.Tensor, scaled: torch.Tensor, step: torch.Tensor,
                  last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        r""":attr:`leapfrog_block` leapfrog steps of every row in one compiled call (after :meth:`compile`; fused: chain by chain).
+        r""":attr:`leapfrog_block` leapfrog steps of every row in one compiled call (after :meth:`compile`).
 
-        Each step is ``theta += scaled * p``, the log joint's gradient ``g`` at ``theta``, then
+        The fused kernel runs every step of one row before the next row's.  Each step is
+        ``theta += scaled * p``, the log joint's gradient ``g`` at ``theta``, then
         ``p += step * g`` — by ``last`` instead of ``step`` in the block's final step (a trajectory's
         closing half step, or ``step`` when more follow).  Rows are independent; chunked as
         :meth:`value_and_grad` is.  Inputs are not written.

@@ -10,6 +10,7 @@ import torch
 from ...flat import FlatLogJoint
 from ...flat import fused as _fused
 
+
 class _Sampler:
     """The state of K lock-step chains and one jittered-HMC transition of all of them."""
 
