@@ -18,11 +18,31 @@ DATA_DIR = Path(os.environ.get("PYROBDL_DATA_DIR", Path(__file__).resolve().pare
 #: Devices every device-aware test runs on: CPU always, CUDA when present.
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
-#: torch.compile's CPU backend builds C++: tests of compile=True need a compiler (.ci/run installs g++).
+#: torch.compile's CPU backend and the fused kernel build C++: their tests need a compiler (.ci/run installs g++).
 needs_cxx = pytest.mark.skipif(
     __import__("shutil").which(os.environ.get("CXX", "g++")) is None,
-    reason="torch.compile on CPU needs a C++ compiler (g++, or $CXX)",
+    reason="torch.compile and the fused kernel on CPU need a C++ compiler (g++, or $CXX)",
 )
+
+
+def leapfrog_inputs(lj, k: int, scale: float = 1.0, seed: int = 5):
+    """A leapfrog block's inputs for ``lj``'s tests: positions (prior draws x ``scale``), momenta, the step times
+    an inverse mass, and each row's own step and final coefficient (half its step)."""
+    g = torch.Generator().manual_seed(seed)
+    theta = lj.sample_prior(k, generator=g) * scale
+    p = torch.randn(k, lj.size, generator=g)
+    step = torch.rand(k, 1, generator=g) * 0.05
+    scaled = step * torch.rand(lj.size, generator=g).add(0.5)
+    return theta, p, scaled, step, 0.5 * step
+
+
+def leapfrog_steps(value_and_grad, theta, p, scaled, step, last, m: int):
+    """``m`` leapfrog steps one by one through ``value_and_grad``: positions, momenta, value and gradient at the end."""
+    for i in range(m):
+        theta = theta + scaled * p
+        value, grad = value_and_grad(theta)
+        p = p + (step if i < m - 1 else last) * grad
+    return theta, p, value, grad
 
 
 @pytest.fixture(autouse=True)

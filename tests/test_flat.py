@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import DEVICES, needs_cxx
+from conftest import DEVICES, leapfrog_inputs, leapfrog_steps, needs_cxx
 from pyro.infer.autoguide.initialization import init_to_sample
 from pyro.infer.mcmc.util import initialize_model
 
@@ -390,18 +390,9 @@ def test_compiled_leapfrog_block_equals_the_steps_one_by_one(float64):
     dynamo_utils.counters.clear()
     compiled.compile(7, leapfrog_block=3)  # chunks of 3, 3 and 1
     assert compiled.leapfrog_block == 3 and eager.leapfrog_block == 0
-    g = torch.Generator().manual_seed(5)
-    theta = eager.sample_prior(7, generator=g)
-    p = torch.randn(7, eager.size, generator=g)
-    step = torch.rand(7, 1, generator=g) * 0.05
-    last = 0.5 * step
-    scaled = step * torch.rand(eager.size, generator=g).add(0.5)  # step x an inverse mass
+    theta, p, scaled, step, last = leapfrog_inputs(eager, 7)
     inputs = [t.clone() for t in (theta, p, scaled, step, last)]
-    t_ref, p_ref = theta.clone(), p.clone()
-    for i in range(3):
-        t_ref = t_ref + scaled * p_ref
-        v_ref, g_ref = eager.value_and_grad(t_ref)
-        p_ref = p_ref + (step if i < 2 else last) * g_ref
+    t_ref, p_ref, v_ref, g_ref = leapfrog_steps(eager.value_and_grad, theta, p, scaled, step, last, 3)
     out = compiled.leapfrog(theta, p, scaled, step, last)
     for got, want in zip(out, (t_ref, p_ref, v_ref, g_ref)):
         assert rel_err(got, want) < TOL64

@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import needs_cxx
+from conftest import leapfrog_inputs, leapfrog_steps, needs_cxx
 from pyro.infer.autoguide.initialization import init_to_sample
 from pyro.infer.mcmc.util import initialize_model
 
@@ -139,20 +139,10 @@ def test_leapfrog_block_equals_the_steps_one_by_one():
     lj = FlatLogJoint(model, x, y)
     lj.compile(5, leapfrog_block=3, kernel="fused")
     assert lj.leapfrog_block == 3
-    g = torch.Generator().manual_seed(5)
-    theta = lj.sample_prior(5, generator=g) * 0.5
-    p = torch.randn(5, lj.size, generator=g)
-    step = torch.rand(5, 1, generator=g) * 0.05
-    last = 0.5 * step
-    scaled = step * torch.rand(lj.size, generator=g).add(0.5)
+    theta, p, scaled, step, last = leapfrog_inputs(lj, 5, scale=0.5)
     inputs = [t.clone() for t in (theta, p, scaled, step, last)]
-    t_ref, p_ref = theta.clone(), p.clone()
-    for i in range(3):
-        t_ref = t_ref + scaled * p_ref
-        v_ref, g_ref = lj.value_and_grad(t_ref)
-        p_ref = p_ref + (step if i < 2 else last) * g_ref
     out = lj.leapfrog(theta, p, scaled, step, last)
-    for got, want in zip(out, (t_ref, p_ref, v_ref, g_ref)):
+    for got, want in zip(out, leapfrog_steps(lj.value_and_grad, theta, p, scaled, step, last, 3)):
         assert float(((got - want).abs() / want.abs().clamp_min(1.0)).max()) < 1e-5
     assert all(torch.equal(a, b) for a, b in zip(inputs, (theta, p, scaled, step, last)))
     with pytest.raises(ValueError, match=r"step must be a float32 CPU tensor \[K, 1\]"):
