@@ -78,11 +78,11 @@ def make(k: int, compile_: bool) -> tuple[dict, torch.Tensor]:
     return ljs, theta
 
 
-def gemm_flops() -> int:
-    """Multiply-add FLOPs (2 per MAC) of one chain-gradient's products: layer 0 forward and its
-    weight gradient (``N (D+1) H`` MACs each), the output layer forward, its weight gradient and
-    the back-propagated ``g w`` (``N H`` MACs each)."""
-    return 2 * (2 * N * (D + 1) * H + 3 * N * H)
+def gemm_flops(n: int = N, d: int = D, h: int = H) -> int:
+    """Multiply-add FLOPs (2 per MAC) of one chain-gradient's products at ``n`` points, ``d`` inputs and
+    ``h`` hidden units: layer 0 forward and its weight gradient (``n (d+1) h`` MACs each), the output
+    layer forward, its weight gradient and the back-propagated ``g w`` (``n h`` MACs each)."""
+    return 2 * (2 * n * (d + 1) * h + 3 * n * h)
 
 
 def peak_rate(size: int, seconds: float) -> float:

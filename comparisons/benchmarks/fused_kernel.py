@@ -28,6 +28,7 @@ from datetime import datetime, timezone
 import torch
 
 import pyrobdl
+from flat_floor import gemm_flops, peak_rate
 from pyrobdl.flat import FlatLogJoint
 
 SHAPES = {
@@ -55,18 +56,9 @@ def build(shape: dict, k: int, inductor: bool) -> tuple[dict, torch.Tensor]:
 
 
 def peak_floor_us(shape: dict, seconds: float) -> float:
-    """The products' multiply-adds of one chain-gradient (layer 0 forward and its weight gradient, the output
-    layer's forward, weight gradient and back-propagated ``g w``) at a 512 x 512 ``torch.mm``'s rate, µs:
-    ``flat_floor.py``'s "peak mm" floor at this shape."""
-    n, d, h = shape["n"], shape["d"], shape["h"]
-    flops = 2 * (2 * n * (d + 1) * h + 3 * n * h)
-    a, b, out = torch.randn(512, 512), torch.randn(512, 512), torch.empty(512, 512)
-    torch.mm(a, b, out=out)
-    reps, start = 0, time.process_time()
-    while time.process_time() - start < seconds:
-        torch.mm(a, b, out=out)
-        reps += 1
-    return flops / (2 * 512**3 * reps / (time.process_time() - start)) * 1e6
+    """``flat_floor.py``'s "peak mm" floor at this shape, µs: the products' FLOPs of one chain-gradient at a
+    512 x 512 ``torch.mm``'s rate."""
+    return gemm_flops(shape["n"], shape["d"], shape["h"]) / peak_rate(512, seconds) * 1e6
 
 
 def measure(name: str, k: int, args) -> None:

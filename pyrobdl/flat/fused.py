@@ -38,7 +38,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
-import math
 import os
 import shutil
 import subprocess
@@ -50,7 +49,6 @@ import torch
 
 SOURCE = Path(__file__).with_name("_fused.cpp")
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c++17")
-_LOG_2PI = math.log(2.0 * math.pi)
 _LANES = 16
 
 
