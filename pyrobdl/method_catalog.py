@@ -58,6 +58,7 @@ METHODS: dict[str, tuple[str, dict[str, Any]]] = {
             'map_num_steps': 500,
             'map_lr': 0.01,
             'divergence_threshold': 1000.0,
+            'restart_after_divergences': 10,
             'chunk_size': 'auto',
             'compile': 'auto',
             'diagnostic_points': 50,

@@ -244,7 +244,7 @@ def run_chees(x, y, x_test, args) -> tuple[dict, object, object]:
     _sync(args.device)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     d = post.diagnostics
-    warm = {k: d[k] for k in ("leapfrog_steps_warmup", "step_size_search_chain_gradients") if k in d}
+    warm = {k: d[k] for k in ("leapfrog_steps_warmup", "step_size_search_chain_gradients", "warmup_restarts") if k in d}
     f = post.function_draws(torch.as_tensor(x_test).to(post.model.device))[..., 0].double().cpu().numpy()
     trace = post.trace
     extra = {"step_size": float(d["step_size"]), "mean_num_steps_sampling": float(d["mean_num_steps_sampling"]),

@@ -43,6 +43,7 @@ CHEES_OPTIONS: dict[str, Any] = {
     "map_num_steps": 500,
     "map_lr": 1e-2,
     "divergence_threshold": 1000.0,
+    "restart_after_divergences": 10,
     "chunk_size": "auto",
     "compile": "auto",
     "diagnostic_points": 50,
@@ -56,9 +57,12 @@ CHEES_OPTIONS: dict[str, Any] = {
     "checkpoint_every_s": 300.0,
 }
 
-#: Options added after checkpoints were first written, with their defaults (the behaviour before
-#: them): at the default they are left out of a checkpoint's identity, so older checkpoints resume.
-_LATER_OPTIONS = {"step_size_adaptation": "windowed", "trajectory_adaptation": "free", "warmup_trajectory_scale": 1.0}
+#: Options added after checkpoints were first written, with the value that behaves as before them:
+#: at that value they are left out of a checkpoint's identity, so older checkpoints resume.  It is
+#: the default except for ``restart_after_divergences`` (on by default, 0 before): an older
+#: checkpoint resumes with ``restart_after_divergences=0`` and is refused, by name, without it.
+_LATER_OPTIONS = {"step_size_adaptation": "windowed", "trajectory_adaptation": "free", "warmup_trajectory_scale": 1.0,
+                  "restart_after_divergences": 0}
 
 #: Options that do not change the chains (where and how often they are saved, the kernel, the
 #: thread count, the points the result is diagnosed and certified at) or that a resumed run
@@ -109,6 +113,7 @@ def _check_counts(options: Mapping[str, Any]) -> None:
             f"superchain_size={m} must divide num_chains={k} into at least 2 superchains "
             f"(num_chains a multiple of superchain_size, num_chains >= 2 * superchain_size)"
         )
+    _int(options, "restart_after_divergences", 0)
     for name in ("num_samples", "max_num_steps", "map_num_steps", "diagnostic_points", "extend_by"):
         _int(options, name, 1)
     if options["max_num_samples"] is not None:

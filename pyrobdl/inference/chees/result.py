@@ -98,6 +98,8 @@ def _sampler_diagnostics(run: _Run, stats: Mapping[str, np.ndarray], diverging_r
                                 "max": float(inv_mass.max())},
         "divergences": [int(d) for d in diverging_row[:, warm:].sum(1)],
         "divergences_warmup": int(diverging_row[:, :warm].sum()),
+        # chains moved off a run of restart_after_divergences divergent warm-up transitions
+        "warmup_restarts": [dict(r) for r in run.restarts],
         "accept_prob": [float(a) for a in stats["accept_prob"][:, warm:].mean(1)],
         "num_steps_cap_hits_warmup": int(run.cap_hits[:warm].sum()),
         "num_steps_cap_hits_sampling": int(run.cap_hits[warm:].sum()),

@@ -178,6 +178,7 @@ def _iterate(run: _Run, it: int) -> int:
     run.diverging_rows[it] = diverging[:kept]
     if it < run.warm:
         _adapt(run, it, h, (theta0, proposal, p1), accept_prob, diverging)
+        _restart_stuck(run, it)
     else:
         run.samples[it - run.warm] = run.sampler.theta[:kept]
     return n
@@ -241,6 +242,39 @@ def _adapt(run: _Run, it: int, h: float, trajectory: tuple[torch.Tensor, torch.T
         run.trajectory_length = run.clamped_length()
     if run.tempered is not None:
         run.step_rows = run.rung_rows(run.steps).unsqueeze(-1)
+
+
+def _restart_stuck(run: _Run, it: int) -> None:
+    """Every ``restart_after_divergences`` (W) warm-up iterations, move each chain whose last W
+    transitions all diverged to the state of another chain drawn at random from those that did not
+    diverge in that time (of its own superchain when it has one; ``run.gen``'s stream).
+
+    Such a chain sits where the adapted step cannot integrate: the step size adapts on the chains
+    that do not diverge (as BlackJAX's ChEES), so nothing brings it out, and from there on it adds
+    only divergences and a frozen draw (measured on the benchmark BNN at K = 128: one chain of 128
+    in 2 of 3 seeds, stuck from warm-up iteration ~100 on, the certificate failed).  Warm-up states
+    are not draws, so moving one leaves the sampling kernel and its target unchanged; a region the
+    adapted step cannot integrate still shows in the sampling phase's divergences, which the
+    certification counts.  Off with W = 0, and with ``temperatures`` (replica exchange moves such a
+    chain instead)."""
+    w = run.options["restart_after_divergences"]
+    if not w or run.tempered is not None or (it + 1) % w:
+        return
+    recent = run.diverging_rows[it + 1 - w : it + 1]
+    stuck, calm = recent.all(0), ~recent.any(0)
+    if not bool(stuck.any()):
+        return
+    if not bool(calm.any()):
+        return  # every chain diverged: the step size is wrong for all, no chain is stuck alone
+    m, sampler = run.options["superchain_size"], run.sampler
+    for c in torch.nonzero(stuck).flatten().tolist():
+        first = c - c % m  # its superchain: chains first .. first + m - 1
+        donors = torch.nonzero(calm[first : first + m]).flatten() + first
+        if donors.numel() == 0:
+            donors = torch.nonzero(calm).flatten()
+        d = int(donors[torch.randint(donors.numel(), (1,), generator=run.gen, device=run.gen.device)])
+        sampler.theta[c], sampler.logp[c], sampler.grad[c] = sampler.theta[d], sampler.logp[d], sampler.grad[d]
+        run.restarts.append({"iteration": it, "chain": c, "from": d})
 
 
 def _update_trajectory(run: _Run, gradient: float) -> None:

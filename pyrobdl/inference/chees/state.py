@@ -72,6 +72,8 @@ class _Run:
         self.resumed_at: list[int] = []
         # one row per certification of a run with max_num_samples: draws per chain, passed, failures
         self.extensions: list[dict[str, Any]] = []
+        # warm-up chains moved off a run of divergences (option restart_after_divergences)
+        self.restarts: list[dict[str, int]] = []
         if saved is not None:
             _restore(self, saved)
 
@@ -175,6 +177,7 @@ def _restore(run: _Run, saved: Mapping[str, Any]) -> None:
     first = run.first = int(saved["next_iteration"])
     run.resumed_at = [*saved["resumed_at"], first]
     run.extensions = [dict(e) for e in saved.get("extensions", [])]
+    run.restarts = [dict(e) for e in saved.get("restarts", [])]
     run.elapsed = (float(saved["wall_s"]), float(saved["cpu_s"]), float(saved["compile_s"]))
     run.search_grads = int(saved["search_grads"])
     run.gen.set_state(saved["generator"].cpu())
@@ -236,4 +239,5 @@ def snapshot(run: _Run, next_iteration: int) -> dict[str, Any]:
         **{name: torch.from_numpy(getattr(run, name)[:next_iteration].copy()) for name in _HOST_ROWS},
         "samples": run.samples[: max(0, next_iteration - run.warm)].clone(),
         "extensions": run.extensions,
+        "restarts": run.restarts,
     }
