@@ -6,9 +6,9 @@ flat log joint and its gradient are computed by ``_fused.cpp``, one chain at a t
 points per vector register:
 
 * forward, per block of 16 points: each hidden unit's pre-activation
-  :math:`a_h = b_h + \sum_i W_{hi} x_i` (D multiply-adds on vectors), its activation (tanh as
-  :math:`2s - 1` with :math:`s = \sigma(2a)`, the fold of :mod:`~pyrobdl.flat.kernel`; the
-  exponential by range reduction and a degree-7 polynomial), the output :math:`f`, the residual;
+  :math:`a_h = b_h + \sum_i W_{hi} x_i` (D multiply-adds on vectors), its activation (tanh as a
+  rational function :math:`a P(a^2) / Q(a^2)` of degree 9 over 8, within 5.3 float32 ulp of tanh
+  everywhere: :func:`tanh`; two hidden units at a time), the output :math:`f`, the residual;
 * backward, in the same block: :math:`\partial \log p / \partial f = \tau r`, the output layer's
   gradients (vector accumulators), and :math:`\partial \log p / \partial a_h` stored ``[H, N]``
   (in cache);
@@ -140,7 +140,26 @@ def _library() -> ctypes.CDLL:
     lib.pyrobdl_fused_vg.restype = None
     lib.pyrobdl_fused_leapfrog.argtypes = [ctypes.POINTER(_Net), ptr, ptr, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, ptr]
     lib.pyrobdl_fused_leapfrog.restype = None
+    lib.pyrobdl_fused_tanh.argtypes = [ptr, i64, ptr]
+    lib.pyrobdl_fused_tanh.restype = None
     return lib
+
+
+def tanh(x: torch.Tensor) -> torch.Tensor:
+    r"""The fused kernel's tanh of every element of ``x`` (float32, CPU), as the kernel computes it.
+
+    A rational minimax fit, :math:`x P(x^2) / Q(x^2)` with P and Q of degree 4, on
+    :math:`|x| \le 9` (``x`` is clamped there; float32 tanh is :math:`\pm 1` beyond 8.4): at most
+    5.3 ulp from tanh at every float32 input, :math:`|\tanh| \le 1 + 2^{-22}` (float32 rounding
+    around 1 near the clamp), odd, NaN for NaN, the value at :math:`\pm 9` for :math:`\pm\infty`
+    (``comparisons/benchmarks/tanh_rational.py`` fits it and checks every input).
+    """
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"fused.tanh takes float32 on the CPU, got {x.dtype} on {x.device}")
+    flat = x.detach().contiguous().reshape(-1)
+    out = torch.empty_like(flat)
+    _library().pyrobdl_fused_tanh(flat.data_ptr(), flat.numel(), out.data_ptr())
+    return out.reshape(x.shape)
 
 
 def _offset(lj: Any, name: str) -> int:
