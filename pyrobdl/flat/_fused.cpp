@@ -101,8 +101,15 @@ float chain_vg(const PyrobdlNet& net, const float* th, float* g, std::vector<flo
   const float tau = net.ou >= 0 ? std::exp(u) : net.tau;
   const bool tanh = net.act == 0;
   // the Gaussian prior: -prec theta, and the log density's quadratic form
-  float lp = 0.f;
-  for (int64_t j = 0; j < net.P; ++j) {
+  v16 quad = splat(0.f);
+  int64_t j = 0;
+  for (; j + L <= net.P; j += L) {  // 16 coordinates at a time (a scalar sum is a chain of P additions)
+    const v16 t = load(th + j), gj = -load(net.prior_prec + j) * t;
+    store(g + j, gj);
+    quad += gj * t;
+  }
+  float lp = hsum(quad);
+  for (; j < net.P; ++j) {
     g[j] = -net.prior_prec[j] * th[j];
     lp += g[j] * th[j];
   }
