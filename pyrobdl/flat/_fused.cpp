@@ -82,18 +82,66 @@ struct PyrobdlNet {
 
 namespace {
 
+// dlogp/da of a hidden unit from its activation t and gfw = dlogp/df times its output weight:
+// tanh'(a) = 1 - t^2; relu'(a) = [t > 0]
+inline v16 dlogp_da(bool tanh, v16 t, v16 gfw) {
+  return tanh ? gfw * (1.f - t * t) : (t > 0.f ? gfw : splat(0.f));
+}
+
+// hidden units h .. h + M - 1: layer 0's weight gradient sum_n dlogp/da_hn x_in, eight inputs at a
+// time; in the first pass over the data also the bias's (sum_n dlogp/da_hn) and the output
+// weight's (sum_n dlogp/df_n t_hn)
+template <int M, int64_t DC>
+void backward(const PyrobdlNet& net, bool tanh, const float* T, const float* GF, const float* w1, int64_t h,
+              float* g) {
+  const int64_t D = DC ? DC : net.D, NP = net.NP;
+  v16 accb[M] = {}, accw[M] = {};
+  for (int64_t i0 = 0; i0 < D; i0 += 8) {
+    const int64_t width = D - i0 < 8 ? D - i0 : 8;
+    v16 acc[M][8] = {};
+    for (int64_t n0 = 0; n0 < NP; n0 += L) {
+      const v16 gf = load(GF + n0);
+      v16 d[M];
+      for (int j = 0; j < M; ++j) {
+        const v16 t = load(T + (h + j) * NP + n0);
+        d[j] = dlogp_da(tanh, t, gf * w1[j]);
+        if (i0 == 0) {
+          accb[j] += d[j];
+          accw[j] += gf * t;
+        }
+      }
+      if (width == 8) {
+        for (int64_t k = 0; k < 8; ++k) {
+          const v16 x = load(net.XT + (i0 + k) * NP + n0);
+          for (int j = 0; j < M; ++j) acc[j][k] += d[j] * x;
+        }
+      } else {
+        for (int64_t k = 0; k < width; ++k) {
+          const v16 x = load(net.XT + (i0 + k) * NP + n0);
+          for (int j = 0; j < M; ++j) acc[j][k] += d[j] * x;
+        }
+      }
+    }
+    for (int j = 0; j < M; ++j)
+      for (int64_t k = 0; k < width; ++k) g[net.ow0 + (h + j) * D + i0 + k] += hsum(acc[j][k]);
+  }
+  for (int j = 0; j < M; ++j) {
+    if (net.ob0 >= 0) g[net.ob0 + h + j] += hsum(accb[j]);
+    g[net.ow1 + h + j] += hsum(accw[j]);
+  }
+}
+
 // the log joint of one chain at th [P]; its gradient into g [P].  DC: the number of inputs when known
 // at compile time (a block's inputs then stay in registers), 0 for any D
 template <int64_t DC>
 float chain_vg(const PyrobdlNet& net, const float* th, float* g, std::vector<float>& buf) {
   const int64_t H = net.H, D = DC ? DC : net.D, NP = net.NP;
-  buf.resize(2 * L * H + H * NP + L);
+  buf.resize(H * NP + NP + L);
   // on a 64-byte boundary: every vector load and store below then stays within one cache line
   // (malloc gives 16 bytes; split across two lines they cost 1.2-1.4x, depending on the process)
   float* T = buf.data() + ((64 - reinterpret_cast<uintptr_t>(buf.data()) % 64) % 64) / sizeof(float);
-  // T [H][16]: a block's activations
-  float* GW1 = T + L * H;         // [H][16]: the output weights' gradient, per lane
-  float* DA = GW1 + L * H;        // [H][NP]: dlogp/da of every hidden unit and data point
+  // T [H][NP]: every hidden unit's activation at every data point; GF [NP]: dlogp/df
+  float* GF = T + H * NP;
   const float* w0 = th + net.ow0;
   const float* w1 = th + net.ow1;
   const float b1 = net.ob1 >= 0 ? th[net.ob1] : 0.f;
@@ -114,7 +162,6 @@ float chain_vg(const PyrobdlNet& net, const float* th, float* g, std::vector<flo
     lp += g[j] * th[j];
   }
   lp = 0.5f * lp + net.prior_const;
-  std::memset(GW1, 0, sizeof(float) * L * H);
   v16 sq = splat(0.f), gb1 = splat(0.f);
   for (int64_t n0 = 0; n0 < NP; n0 += L) {
     v16 f = splat(b1);
@@ -141,7 +188,7 @@ float chain_vg(const PyrobdlNet& net, const float* th, float* g, std::vector<flo
         for (int j = 0; j < M; ++j) z[j] = a[j] < 0.f ? splat(0.f) : a[j];  // relu; NaN stays NaN
       for (int j = 0; j < M; ++j) {
         fs[j] += w1[h + j] * z[j];
-        store(T + (h + j) * L, z[j]);
+        store(T + (h + j) * NP + n0, z[j]);
       }
     }
     for (; h < H; ++h) {
@@ -154,77 +201,21 @@ float chain_vg(const PyrobdlNet& net, const float* th, float* g, std::vector<flo
       v16 z = a < 0.f ? splat(0.f) : a;
       if (tanh) vtanhm<1>(&a, &z);
       fs[0] += w1[h] * z;
-      store(T + h * L, z);
+      store(T + h * NP + n0, z);
     }
     for (int j = 0; j < M; ++j) f += fs[j];
     const v16 r = (load(net.y + n0) - f) * load(net.mask + n0);
     sq += r * r;
     const v16 gf = r * tau;  // dlogp/df
     gb1 += gf;
-    for (int64_t h = 0; h < H; ++h) {
-      const v16 z = load(T + h * L);
-      v16 d;
-      if (tanh) {  // tanh'(a) = 1 - t^2
-        store(GW1 + h * L, load(GW1 + h * L) + gf * z);
-        d = (gf * w1[h]) * (1.f - z * z);
-      } else {
-        store(GW1 + h * L, load(GW1 + h * L) + gf * z);
-        d = z > 0.f ? gf * w1[h] : splat(0.f);
-      }
-      store(DA + h * NP + n0, d);
-    }
+    store(GF + n0, gf);
   }
-  // layer 0's gradient: [H][NP] x [NP][D], two hidden units and eight inputs at a time held in
-  // registers; the bias's gradient (the sum of dlogp/da) in the first pass over dlogp/da
-  const bool bias0 = net.ob0 >= 0;
+  // the backward pass over [H][NP]: dlogp/da from the stored activation and dlogp/df, and at once
+  // layer 0's gradient, the biases' and the output weights' (M hidden units and eight inputs at a
+  // time, their accumulators in registers)
   int64_t h = 0;
-  for (; h + 2 <= H; h += 2) {
-    const float* dh = DA + h * NP;
-    float* gw = g + net.ow0 + h * D;
-    v16 accb0 = splat(0.f), accb1 = splat(0.f);
-    int64_t i0 = 0;
-    for (; i0 + 8 <= D; i0 += 8) {
-      v16 acc0[8] = {}, acc1[8] = {};
-      for (int64_t n0 = 0; n0 < NP; n0 += L) {
-        const v16 d0 = load(dh + n0), d1 = load(dh + NP + n0);
-        if (i0 == 0) { accb0 += d0; accb1 += d1; }
-        for (int64_t j = 0; j < 8; ++j) {
-          const v16 xj = load(net.XT + (i0 + j) * NP + n0);
-          acc0[j] += d0 * xj;
-          acc1[j] += d1 * xj;
-        }
-      }
-      for (int64_t j = 0; j < 8; ++j) { gw[i0 + j] += hsum(acc0[j]); gw[D + i0 + j] += hsum(acc1[j]); }
-    }
-    for (; i0 < D; ++i0) {
-      v16 acc0 = splat(0.f), acc1 = splat(0.f);
-      for (int64_t n0 = 0; n0 < NP; n0 += L) {
-        const v16 d0 = load(dh + n0), d1 = load(dh + NP + n0);
-        if (i0 == 0) { accb0 += d0; accb1 += d1; }
-        const v16 xi = load(net.XT + i0 * NP + n0);
-        acc0 += d0 * xi;
-        acc1 += d1 * xi;
-      }
-      gw[i0] += hsum(acc0); gw[D + i0] += hsum(acc1);
-    }
-    if (bias0) { g[net.ob0 + h] += hsum(accb0); g[net.ob0 + h + 1] += hsum(accb1); }
-  }
-  for (; h < H; ++h) {
-    const float* dh = DA + h * NP;
-    float* gw = g + net.ow0 + h * D;
-    v16 accb = splat(0.f);
-    for (int64_t i0 = 0; i0 < D; ++i0) {
-      v16 acc = splat(0.f);
-      for (int64_t n0 = 0; n0 < NP; n0 += L) {
-        const v16 d = load(dh + n0);
-        if (i0 == 0) accb += d;
-        acc += d * load(net.XT + i0 * NP + n0);
-      }
-      gw[i0] += hsum(acc);
-    }
-    if (bias0) g[net.ob0 + h] += hsum(accb);
-  }
-  for (int64_t k = 0; k < H; ++k) g[net.ow1 + k] += hsum(load(GW1 + k * L));
+  for (; h + 2 <= H; h += 2) backward<2, DC>(net, tanh, T, GF, w1 + h, h, g);
+  for (; h < H; ++h) backward<1, DC>(net, tanh, T, GF, w1 + h, h, g);
   if (net.ob1 >= 0) g[net.ob1] += hsum(gb1);
   const float s = hsum(sq);
   if (net.ou >= 0) {  // learned precision tau = e^u: likelihood, Gamma prior and Jacobian
