@@ -150,16 +150,16 @@ float chain_vg(const PyrobdlNet& net, const float* th, float* g, std::vector<flo
   const bool tanh = net.act == 0;
   // the Gaussian prior: -prec theta, and the log density's quadratic form
   v16 quad = splat(0.f);
-  int64_t j = 0;
-  for (; j + L <= net.P; j += L) {  // 16 coordinates at a time (a scalar sum is a chain of P additions)
-    const v16 t = load(th + j), gj = -load(net.prior_prec + j) * t;
-    store(g + j, gj);
-    quad += gj * t;
+  int64_t c = 0;
+  for (; c + L <= net.P; c += L) {  // 16 coordinates at a time (a scalar sum is a chain of P additions)
+    const v16 t = load(th + c), gc = -load(net.prior_prec + c) * t;
+    store(g + c, gc);
+    quad += gc * t;
   }
   float lp = hsum(quad);
-  for (; j < net.P; ++j) {
-    g[j] = -net.prior_prec[j] * th[j];
-    lp += g[j] * th[j];
+  for (; c < net.P; ++c) {
+    g[c] = -net.prior_prec[c] * th[c];
+    lp += g[c] * th[c];
   }
   lp = 0.5f * lp + net.prior_const;
   v16 sq = splat(0.f), gb1 = splat(0.f);
