@@ -4,7 +4,7 @@
 [-9, 9]; float32 tanh is +-1 beyond 8.4).  The fit minimises the largest relative error by
 iteratively reweighted least squares (Loeb's linearisation, Lawson's weights), in float64.  The
 check runs the kernel's own compiled tanh (:func:`pyrobdl.flat.fused.tanh`) on every positive
-float32 up to 12 (the function is odd: the kernel's arithmetic is symmetric in the sign) and
+normal float32 up to 12 (the function is odd: the kernel's arithmetic is symmetric in the sign) and
 reports its largest error in float32 ulps of the exact value, its largest value, and where.
 
     python comparisons/benchmarks/tanh_rational.py            # fit, print, check the kernel's

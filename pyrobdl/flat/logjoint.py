@@ -192,7 +192,7 @@ class FlatLogJoint:
             sampler; one call's fixed cost shared by the steps); 0: not.
         kernel : {"auto", "fused", "inductor"}, default "auto"
             ``"fused"``: the fused kernel (:func:`pyrobdl.flat.fused.unsupported` says where it
-            does not apply; 1.6-3.4x less CPU per chain-gradient than the Inductor graph on the
+            does not apply; 2.6-4.5x less CPU per chain-gradient than the Inductor graph on the
             chees benchmark's network at K = 1-256, ``docs/benchmarks/chees.md``); ``"inductor"``:
             ``torch.compile``; ``"auto"``: the fused kernel where it applies, else Inductor.
 

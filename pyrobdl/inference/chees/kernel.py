@@ -111,9 +111,9 @@ def _compile(lj: FlatLogJoint, k: int, option: bool | str) -> float:
     """Compile ``lj`` for K rows as ``option`` asks; the seconds spent (0 when not compiled).
 
     ``"auto"``: on CUDA ``torch.compile`` (measured on an H100: more than 2x faster end to end at
-    K = 1,024); on the CPU the fused kernel (:mod:`pyrobdl.flat.fused`: 1.6-7x less CPU per
-    chain-gradient than the eager kernel at the benchmark and quickstart shapes, built in 1-3 s
-    once per machine) where it applies, else nothing (Inductor: 1.15-1.35x per
+    K = 1,024); on the CPU the fused kernel (:mod:`pyrobdl.flat.fused`: 2.9-11x less CPU per
+    chain-gradient than the eager kernel at the benchmark, relu and quickstart shapes, built in
+    1-3 s once per machine) where it applies, else nothing (Inductor: 1.15-1.35x per
     chain-gradient on CPU, for tens of seconds of compiling); there a failure of the compiler
     warns and the run goes on eager.  ``True`` compiles anywhere (the fused kernel where it
     applies, else Inductor) and a failure stops the run (:meth:`FlatLogJoint.compile`).
